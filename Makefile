@@ -1,0 +1,46 @@
+# rayjobs: `make train` runs the default job; `make test` runs the whole suite.
+# Both set up .venv first when needed (CPU torch where there is no GPU).
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed
+TORCH_CPU_VERSION ?= 2.13.0
+PYTEST_FLAGS ?=
+
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+.PHONY: setup train test test-fast lint format bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    echo "setup: GPU found: installing a CUDA build of torch"; \
+	    $(PY) -m pip install -q 'torch>=2.6,<2.15'; \
+	else \
+	    echo "setup: no GPU: installing the CPU build torch==$(TORCH_CPU_VERSION)"; \
+	    $(PY) -m pip install -q "torch==$(TORCH_CPU_VERSION)"; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+train: setup
+	$(VENV)/bin/rayjobs train --summary results/summary.json
+
+test: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) --durations=15 tests
+
+test-fast: setup
+	$(PY) -m pytest $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests
+
+lint: setup
+	$(VENV)/bin/ruff check rayjobs models tests benchmarks
+	$(VENV)/bin/ruff format --check rayjobs models tests benchmarks
+
+format: setup
+	$(VENV)/bin/ruff format rayjobs models tests benchmarks
+	$(VENV)/bin/ruff check --fix rayjobs models tests benchmarks
+
+clean:
+	rm -rf $(VENV) results .pytest_cache

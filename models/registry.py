@@ -1,0 +1,130 @@
+"""A registry of model specs: name, flavors, builder, FLOPs per sample.
+
+Models here are plain ``torch.nn`` modules; nothing in ``models/`` imports
+``torch.distributed``. Parallelism is applied from outside (``rayjobs.parallel``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    """What a model needs to know about its data to size its input and output layers."""
+
+    kind: str  # "image" (classification) or "tokens" (next-token prediction)
+    input_shape: tuple[int, ...]  # shape of one sample, without the batch dimension
+    num_classes: int  # classes for "image"; vocabulary size for "tokens"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build one registered model, and the flavors (size presets) it comes in."""
+
+    name: str
+    builder: Callable[..., nn.Module]
+    flavors: dict[str, dict[str, Any]]
+    data_kinds: tuple[str, ...]
+    description: str = ""
+    default_flavor: str = "default"
+    flops_per_sample: Callable[[nn.Module, DataInfo], float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Add a spec to the registry (every spec must have a ``debug`` flavor for tests)."""
+    if "debug" not in spec.flavors or spec.default_flavor not in spec.flavors:
+        raise ValueError(f"model spec {spec.name!r} needs a 'debug' flavor and its default flavor")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def get_spec(name: str) -> ModelSpec:
+    """Return the registered spec called ``name`` (KeyError if unknown)."""
+    _load_builtin()
+    return _REGISTRY[name]
+
+
+def model_names() -> list[str]:
+    """Names of all registered models, sorted."""
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def is_import_path(name: str) -> bool:
+    """True for a user's own model given as ``package.module:callable``."""
+    return ":" in name
+
+
+def resolve_callable(path: str) -> Callable[..., Any]:
+    """Import ``package.module:attr`` and return the attribute (ImportError/AttributeError on failure)."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise ImportError(f"expected 'package.module:callable', got {path!r}")
+    module = importlib.import_module(module_name)
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise AttributeError(f"{path} is not callable")
+    return obj
+
+
+def build_model(name: str, flavor: str, kwargs: dict[str, Any], info: DataInfo) -> nn.Module:
+    """Build a registered model (flavor preset, then ``kwargs`` on top) or a user's callable."""
+    if is_import_path(name):
+        model = resolve_callable(name)(**kwargs)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{name} returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+    spec = get_spec(name)
+    return spec.builder(info=info, **{**spec.flavors[flavor], **kwargs})
+
+
+def count_flops_per_sample(model: nn.Module, info: DataInfo) -> float:
+    """Training FLOPs for one sample (forward + backward ~ 3x forward), counted by torch."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if info.kind == "tokens":
+        x = torch.zeros((1, *info.input_shape), dtype=torch.long)
+    else:
+        x = torch.zeros((1, *info.input_shape))
+    was_training = model.training
+    model.eval()
+    try:
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            model(x)
+    finally:
+        model.train(was_training)
+    return 3.0 * counter.get_total_flops()
+
+
+def flops_per_sample(name: str, model: nn.Module, info: DataInfo) -> float:
+    """Training FLOPs per sample: the spec's formula when it has one, else counted by torch."""
+    if not is_import_path(name):
+        spec = get_spec(name)
+        if spec.flops_per_sample is not None:
+            return spec.flops_per_sample(model, info)
+    return count_flops_per_sample(model, info)
+
+
+_loaded = False
+
+
+def _load_builtin() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        importlib.import_module("models.digits_cnn")
+        importlib.import_module("models.mlp")
+        importlib.import_module("models.gpt")

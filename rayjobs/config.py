@@ -1,0 +1,397 @@
+"""The schema of a run: one typed, validated config drives train, tune and submit.
+
+A config is YAML plus ``--set key=value`` overrides. Every problem is reported as one line that
+names the field path, what was given and what is allowed, before any Ray process starts.
+The config crosses the Ray boundary as a plain dict (``model_dump()``) and workers rebuild it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from rayjobs.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "digits.yaml"
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors; numbers are accepted for strings."""
+
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("", description="Stable run name (no timestamps); empty: '<model>-<data>'.")
+    storage_path: str = Field("results", description="Where results and checkpoints go; made absolute.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_path_segment(cls, v: str) -> str:
+        if "/" in v or v in (".", ".."):
+            raise ValueError(f"must be a plain name without '/', got {v!r}")
+        return v
+
+
+class ModelSection(Section):
+    name: str = Field("digits_cnn", description="Registry name, or 'package.module:callable' for your own model.")
+    flavor: str = Field("", description="Size preset of a registry model (every model has 'debug'); empty: its default.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the model builder.")
+
+    @model_validator(mode="after")
+    def _known_model(self) -> ModelSection:
+        problems = _model_problems(self)
+        if problems:
+            raise _MultiError(problems)
+        if self.flavor == "" and not _is_import_path(self.name):
+            from models import get_spec
+
+            self.flavor = get_spec(self.name).default_flavor
+        return self
+
+
+class DataSection(Section):
+    name: str = Field("digits", description="Dataset: digits | synthetic.")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the dataset loader.")
+
+    @model_validator(mode="after")
+    def _known_data(self) -> DataSection:
+        problems = _data_problems(self)
+        if problems:
+            raise _MultiError(problems)
+        return self
+
+    @property
+    def kind(self) -> str:
+        """The kind of samples this dataset gives: image or tokens."""
+        from rayjobs.data import DATASETS
+
+        return DATASETS[self.name].kind(self.kwargs)
+
+
+class OptimSection(Section):
+    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled (adamw) or L2 (sgd) weight decay.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many optimizer steps.")
+    grad_clip: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 = off.")
+
+
+class TrainingSection(Section):
+    epochs: int = Field(10, ge=1, description="Passes over the training data.")
+    max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 = no limit.")
+    batch_size: int = Field(64, ge=1, description="Global batch: summed over workers and accumulation steps.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype; fp16 needs a GPU.")
+    seed: int = Field(0, description="Seed of model init, data order and dropout.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = at each epoch's end.")
+    log_every: int = Field(20, ge=1, description="Print train loss every N optimizer steps.")
+
+
+class ScalingSection(Section):
+    num_workers: int | Literal["auto"] = Field(
+        "auto", description="Train workers; 0 = local mode in this process; auto = 1 per GPU, else 2."
+    )
+    use_gpu: bool | Literal["auto"] = Field("auto", description="One GPU per worker: true | false | auto.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=dict, description="Ray resources per worker, e.g. {CPU: 1, GPU: 1}."
+    )
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _workers(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, str) and v.isdigit())):
+            raise ValueError(f"must be an integer >= 0 or 'auto', got {v!r}")
+        if int(v) < 0:
+            raise ValueError(f"must be an integer >= 0 or 'auto', got {v!r}")
+        return int(v)
+
+    @field_validator("use_gpu", mode="before")
+    @classmethod
+    def _use_gpu(cls, v: Any) -> Any:
+        if isinstance(v, bool) or v == "auto":
+            return v
+        if isinstance(v, str) and v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        raise ValueError(f"must be true, false or 'auto', got {v!r}")
+
+    @field_validator("resources_per_worker")
+    @classmethod
+    def _resources(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, amount in v.items():
+            if amount < 0:
+                raise ValueError(f"{key} must be >= 0, got {amount}")
+        return v
+
+
+class FailureSection(Section):
+    max_failures: int = Field(0, ge=-1, description="Worker-group restarts allowed; -1 = unlimited.")
+
+
+class RunConfig(Section):
+    """A complete description of a training run."""
+
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    training: TrainingSection = Field(default_factory=TrainingSection)
+    scaling: ScalingSection = Field(default_factory=ScalingSection)
+    failure: FailureSection = Field(default_factory=FailureSection)
+
+    @model_validator(mode="after")
+    def _model_fits_data(self) -> RunConfig:
+        if not _is_import_path(self.model.name):
+            from models import get_spec
+
+            spec = get_spec(self.model.name)
+            if self.data.kind not in spec.data_kinds:
+                raise _MultiError(
+                    [("model.name", f"{self.model.name} needs {' or '.join(spec.data_kinds)} data, "
+                      f"but data.name={self.data.name} gives {self.data.kind}")]
+                )
+        if not self.run.name:
+            base = self.model.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+            self.run.name = f"{base}-{self.data.name}"
+        return self
+
+    @property
+    def storage_path(self) -> str:
+        """The absolute storage path (relative paths are taken from the current directory)."""
+        return os.path.abspath(os.path.expanduser(self.run.storage_path))
+
+
+class _MultiError(ValueError):
+    """Several (path, message) problems raised from one validator."""
+
+    def __init__(self, problems: list[tuple[str, str]]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(f"{p}: {m}" for p, m in problems))
+
+
+def _is_import_path(name: str) -> bool:
+    return ":" in name
+
+
+def _data_problems(d: DataSection) -> list[tuple[str, str]]:
+    from rayjobs.data import DATASETS, SYNTHETIC_KINDS
+
+    if d.name not in DATASETS:
+        hint = _did_you_mean(d.name, list(DATASETS))
+        return [("data.name", f"unknown dataset {d.name!r}{hint}; known: {' | '.join(DATASETS)}")]
+    spec = DATASETS[d.name]
+    problems = _kwargs_problems("data.kwargs", spec.load, d.kwargs, f"dataset {spec.name}")
+    if spec.kind(d.kwargs) not in SYNTHETIC_KINDS:
+        problems.append(("data.kwargs.kind", f"must be one of {', '.join(SYNTHETIC_KINDS)}, got {spec.kind(d.kwargs)!r}"))
+    return problems
+
+
+def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
+    from models import get_spec, model_names
+    from models.registry import resolve_callable
+
+    if _is_import_path(m.name):
+        problems = []
+        try:
+            builder = resolve_callable(m.name)
+        except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+            problems.append(("model.name", f"cannot import {m.name!r}: {type(exc).__name__}: {exc}"))
+        else:
+            problems += _kwargs_problems("model.kwargs", builder, m.kwargs, m.name)
+        if m.flavor:
+            problems.append(("model.flavor", f"flavors apply to registry models only; remove it for {m.name!r}"))
+        return problems
+    if m.name not in model_names():
+        hint = _did_you_mean(m.name, model_names())
+        known = " | ".join(model_names())
+        return [("model.name", f"unknown model {m.name!r}{hint}; known: {known} (or package.module:callable)")]
+    spec = get_spec(m.name)
+    problems = _kwargs_problems("model.kwargs", spec.builder, m.kwargs, m.name, skip=("info",))
+    if m.flavor and m.flavor not in spec.flavors:
+        problems.append(("model.flavor", f"{m.name} has no flavor {m.flavor!r}; known: {' | '.join(spec.flavors)}"))
+    return problems
+
+
+def _kwargs_problems(path: str, fn: Any, kwargs: dict[str, Any], what: str, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    from rayjobs.data import accepted_kwargs
+
+    allowed = accepted_kwargs(fn)
+    if allowed is None:
+        return []
+    allowed = [a for a in allowed if a not in skip]
+    return [
+        (f"{path}.{key}", f"{what} takes no argument {key!r}{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or 'none'}")
+        for key in kwargs
+        if key not in allowed
+    ]
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: YAML file + --set overrides -> RunConfig, or ConfigError with one line per problem.
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config (default: the shipped digits job), apply ``key=value`` overrides, validate."""
+    raw = read_yaml(path or DEFAULT_CONFIG)
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(raw)
+
+
+def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a config file into a dict; a missing file or bad YAML is a ConfigError."""
+    p = Path(path)
+    if not p.is_file():
+        shipped = sorted(f.name for f in CONFIG_DIR.glob("*.yaml"))
+        raise ConfigError(f"config: file not found: {path} (shipped configs in {CONFIG_DIR}: {', '.join(shipped)})")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config: invalid YAML in {path}{where}: {problem}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: {path} must be a mapping of sections (run:, model:, ...), got {type(raw).__name__}")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``dotted.key=value`` to ``raw``; the value is parsed as YAML and typed by the schema."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item}: expected key=value, e.g. --set optim.lr=0.001")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"--set {item}: empty part in key {key!r}")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    if isinstance(value, str) or _field_is_str(parts):
+        value = text  # keep strings verbatim ("1b", "007", "true" for a str field)
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _field_is_str(parts: list[str]) -> bool:
+    model: Any = RunConfig
+    for part in parts:
+        fields = getattr(model, "model_fields", None)
+        if not fields or part not in fields:
+            return False
+        model = fields[part].annotation
+    return model is str
+
+
+def from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict (YAML, or ``model_dump()`` across the Ray boundary) into a RunConfig."""
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+
+
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """One line per problem: ``field.path: what is wrong, got X``."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for err in exc.errors():
+        ctx_err = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, _MultiError):
+            for path, msg in ctx_err.problems:
+                _add(lines, seen, path, msg)
+            continue
+        loc = [str(p) for p in err["loc"] if not _is_union_tag(p)]
+        path = ".".join(loc) or "config"
+        _add(lines, seen, path, _describe(err, loc))
+    return lines
+
+
+def _add(lines: list[str], seen: set[str], path: str, msg: str) -> None:
+    if path not in seen:
+        seen.add(path)
+        lines.append(f"{path}: {msg}")
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and (part in ("int", "bool", "float", "str") or part.startswith("literal["))
+
+
+def _describe(err: dict[str, Any], loc: list[str]) -> str:
+    kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
+    got = f", got {given!r}"
+    if kind == "extra_forbidden":
+        return f"unknown key{_did_you_mean(loc[-1], _siblings(loc))}; allowed: {', '.join(_siblings(loc))}"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        if isinstance(limit, float) and limit.is_integer():
+            limit = int(limit)
+        return f"must be {bounds[kind]} {limit}{got}"
+    if kind == "literal_error":
+        return f"must be one of {ctx['expected'].replace(' or ', ', ')}{got}"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"must be an integer{got}"
+    if kind in ("float_parsing", "float_type"):
+        return f"must be a number{got}"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"must be true or false{got}"
+    if kind in ("dict_type", "model_type", "model_attributes_type"):
+        return f"must be a mapping (key: value){got}"
+    if kind == "string_type":
+        return f"must be a string{got}"
+    if kind == "missing":
+        return "is required"
+    msg = err["msg"].removeprefix("Value error, ")
+    return msg if "got" in msg else f"{msg[:1].lower()}{msg[1:]}{got}"
+
+
+def _siblings(loc: list[str]) -> list[str]:
+    model: Any = RunConfig
+    for part in loc[:-1]:
+        fields = getattr(model, "model_fields", {})
+        if part not in fields:
+            return []
+        model = fields[part].annotation
+    return list(getattr(model, "model_fields", {}))
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    """The resolved config as YAML, in schema order."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def describe_fields() -> list[tuple[str, str, Any]]:
+    """Every leaf field as (dotted path, description, default), for docs and ``--help``."""
+    out = []
+    for section, info in RunConfig.model_fields.items():
+        for name, f in info.annotation.model_fields.items():
+            default = f.default_factory() if f.default_factory else f.default
+            out.append((f"{section}.{name}", f.description or "", default))
+    return out

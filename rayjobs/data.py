@@ -1,0 +1,133 @@
+"""Datasets and per-rank batches.
+
+``digits``: scikit-learn's bundled handwritten digits (1,797 real 8x8 images, 10 classes),
+split into train/val/test by a fixed seed. ``synthetic``: random images, or token sequences
+with a learnable pattern, of a configured shape and count, for benchmarks.
+
+Each rank reads its shard through a ``DistributedSampler`` (``set_epoch`` every epoch), so the
+order is a pure function of (seed, epoch, rank, world size).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+from models.registry import DataInfo
+
+
+@dataclass
+class Splits:
+    """The train, validation and test datasets of a run, and what the model needs to know."""
+
+    train: Dataset
+    val: Dataset
+    test: Dataset
+    info: DataInfo
+
+
+def _split(n: int, val_fraction: float, test_fraction: float, seed: int) -> tuple[Any, Any, Any]:
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test, n_val = round(n * test_fraction), round(n * val_fraction)
+    return perm[n_test + n_val :], perm[n_test : n_test + n_val], perm[:n_test]
+
+
+def digits(val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0) -> Splits:
+    """scikit-learn's digits as 1x8x8 float images in [0, 1], split by ``split_seed``."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(bunch.target, dtype=torch.long)
+    train, val, test = _split(len(y), val_fraction, test_fraction, split_seed)
+    return Splits(
+        TensorDataset(x[train], y[train]),
+        TensorDataset(x[val], y[val]),
+        TensorDataset(x[test], y[test]),
+        DataInfo(kind="image", input_shape=(1, 8, 8), num_classes=10),
+    )
+
+
+def synthetic(
+    kind: str = "image",
+    num_samples: int = 2048,
+    shape: list[int] | None = None,
+    num_classes: int = 10,
+    seq_len: int = 128,
+    vocab_size: int = 256,
+    seed: int = 0,
+) -> Splits:
+    """Random labelled images, or token sequences that follow ``x[t+1] = x[t] + stride (mod vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    n_eval = max(1, num_samples // 10)
+    total = num_samples + 2 * n_eval
+    if kind == "image":
+        shape = list(shape or [1, 8, 8])
+        x = torch.randn(total, *shape, generator=g)
+        y = torch.randint(0, num_classes, (total,), generator=g)
+        info = DataInfo(kind="image", input_shape=tuple(shape), num_classes=num_classes)
+    else:
+        start = torch.randint(0, vocab_size, (total, 1), generator=g)
+        stride = torch.randint(1, 8, (total, 1), generator=g)
+        seq = (start + stride * torch.arange(seq_len + 1)) % vocab_size
+        x, y = seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+        info = DataInfo(kind="tokens", input_shape=(seq_len,), num_classes=vocab_size)
+    a, b = num_samples, num_samples + n_eval
+    return Splits(TensorDataset(x[:a], y[:a]), TensorDataset(x[a:b], y[a:b]), TensorDataset(x[b:], y[b:]), info)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A named data source: its loader, and the kind of samples it gives for given kwargs."""
+
+    name: str
+    load: Callable[..., Splits]
+    kind: Callable[[dict[str, Any]], str]
+    description: str
+
+
+DATASETS: dict[str, DataSpec] = {
+    "digits": DataSpec("digits", digits, lambda kw: "image", "scikit-learn's 1,797 8x8 digit images"),
+    "synthetic": DataSpec(
+        "synthetic", synthetic, lambda kw: kw.get("kind", "image"), "random images or patterned tokens"
+    ),
+}
+
+SYNTHETIC_KINDS = ("image", "tokens")
+
+
+def load(name: str, kwargs: dict[str, Any]) -> Splits:
+    """Load the named dataset with its kwargs."""
+    return DATASETS[name].load(**kwargs)
+
+
+def accepted_kwargs(fn: Callable[..., Any]) -> list[str] | None:
+    """Keyword names ``fn`` accepts (None when it takes ``**kwargs``)."""
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def shard_loader(
+    dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool = True
+) -> DataLoader:
+    """This rank's loader over ``dataset``: a DistributedSampler with equal, full batches.
+
+    Call ``loader.sampler.set_epoch(epoch)`` at the start of every epoch.
+    """
+    sampler = DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+    )
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+
+
+def eval_shard(dataset: Dataset, rank: int, world_size: int, batch_size: int) -> DataLoader:
+    """Every sample exactly once across ranks (strided, no padding), for sums that are all-reduced."""
+    indices = list(range(rank, len(dataset), world_size))  # type: ignore[arg-type]
+    return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size)

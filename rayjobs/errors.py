@@ -1,0 +1,15 @@
+"""User-facing errors: one line each, naming what is wrong and how to fix it."""
+
+from __future__ import annotations
+
+
+class ConfigError(Exception):
+    """A user's config, file or command line is wrong. Carries one message per problem."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class TrainingFailed(Exception):
+    """The training itself failed (exit status 1), as opposed to a bad config (status 2)."""

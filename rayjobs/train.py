@@ -1,0 +1,201 @@
+"""Driver of one training run: config -> ``TorchTrainer`` -> ``fit()`` -> summary.
+
+Run it with ``rayjobs train [--config FILE] [--set k=v ...]`` or, the same thing,
+``python -m rayjobs.train [--config FILE] [--set k=v ...]`` (what ``ray job submit`` runs):
+
+    python -m rayjobs.train --config rayjobs/configs/digits.yaml --summary results/summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from rayjobs.config import RunConfig
+from rayjobs.errors import ConfigError, TrainingFailed
+
+
+@dataclass(frozen=True)
+class ScalingPlan:
+    """The resolved scaling of a run: what ``auto`` became on this machine or cluster."""
+
+    num_workers: int
+    use_gpu: bool
+    resources_per_worker: dict[str, float]
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job (local mode counts as one)."""
+        return max(1, self.num_workers)
+
+
+def _existing_cluster() -> bool:
+    import ray
+
+    return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+
+
+def local_gpu_count() -> int:
+    """GPUs visible to this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
+    """Resolve ``auto`` values and check the plan against the config; ConfigError when they clash."""
+    s = cfg.scaling
+    use_gpu = gpus_available > 0 if s.use_gpu == "auto" else bool(s.use_gpu)
+    if s.num_workers == "auto":
+        num_workers = gpus_available if use_gpu and gpus_available else 2
+    else:
+        num_workers = s.num_workers
+    resources = dict(s.resources_per_worker) or {"CPU": 1.0}
+    plan = ScalingPlan(num_workers, use_gpu, resources)
+    problems = []
+    parts = plan.world_size * cfg.training.grad_accum
+    if cfg.training.batch_size % parts:
+        problems.append(
+            f"training.batch_size: must be a multiple of workers ({plan.world_size}) x grad_accum "
+            f"({cfg.training.grad_accum}) = {parts}, got {cfg.training.batch_size}"
+        )
+    if cfg.training.precision == "fp16" and not use_gpu:
+        problems.append("training.precision: fp16 needs a GPU; use bf16 or fp32 on CPU, got 'fp16'")
+    if use_gpu and s.use_gpu is True and gpus_available == 0 and not _existing_cluster():
+        problems.append("scaling.use_gpu: true, but this machine has no GPU; set it to auto or false")
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
+def init_ray(plan: ScalingPlan) -> None:
+    """Connect to the cluster in RAY_ADDRESS, or start a local Ray sized for the plan."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return
+    cpus_needed = plan.num_workers * plan.resources_per_worker.get("CPU", 1.0)
+    # The driver's directory on the workers' path, so a user's `pkg.module:callable` model imports.
+    path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+    ray.init(
+        num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        log_to_driver=True,
+    )
+
+
+def cluster_gpu_count() -> int:
+    """GPUs in the cluster this driver will use (the running cluster's, else this machine's)."""
+    if _existing_cluster():
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return int(ray.cluster_resources().get("GPU", 0))
+    return local_gpu_count()
+
+
+def run(cfg: RunConfig) -> dict[str, Any]:
+    """Train one run with Ray Train and return its summary (see ``write_summary``)."""
+    from ray.train import FailureConfig, LoggingConfig, ScalingConfig
+    from ray.train import RunConfig as RayRunConfig
+    from ray.train.torch import TorchTrainer
+
+    from rayjobs.loop import train_fn_per_worker
+
+    started = time.time()
+    local_mode = cfg.scaling.num_workers == 0
+    plan = plan_scaling(cfg, local_gpu_count() if local_mode else cluster_gpu_count())
+    run_dir = os.path.join(cfg.storage_path, cfg.run.name)
+    if local_mode:
+        logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
+    else:
+        init_ray(plan)
+    loop_config = cfg.model_dump(mode="json")
+    loop_config["_resolved"] = {
+        "use_gpu": plan.use_gpu,
+        "cpus_per_worker": plan.resources_per_worker.get("CPU", 1.0),
+        "local_checkpoint_dir": os.path.join(run_dir, "checkpoint_final") if local_mode else None,
+    }
+    trainer = TorchTrainer(
+        train_fn_per_worker,
+        train_loop_config=loop_config,
+        scaling_config=ScalingConfig(
+            num_workers=plan.num_workers,
+            use_gpu=plan.use_gpu,
+            resources_per_worker=plan.resources_per_worker,
+        ),
+        run_config=RayRunConfig(
+            name=cfg.run.name,
+            storage_path=cfg.storage_path,
+            failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
+            logging_config=LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # TrainingFailedError and friends: the training itself failed
+        raise TrainingFailed(_first_line(exc)) from exc
+    if result.error is not None:
+        raise TrainingFailed(_first_line(result.error))
+    metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
+    return {
+        "run_name": cfg.run.name,
+        "storage_path": run_dir,
+        "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "mlflow_run_id": None,
+        "wall_s": round(time.time() - started, 2),
+        "samples_per_s": metrics.get("train/samples_per_s"),
+        "num_workers": plan.num_workers,
+        "device": "gpu" if plan.use_gpu else "cpu",
+        "metrics": metrics,
+    }
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return f"{type(exc).__name__}: {text.splitlines()[0]}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The short console summary printed at the end of a run."""
+    m = summary["metrics"]
+    keys = ["train/loss", "val/loss", "val/accuracy", "test/loss", "test/accuracy"]
+    shown = "  ".join(f"{k} {m[k]:.4f}" for k in keys if k in m)
+    workers = summary["num_workers"] or "local mode, 1"
+    lines = [
+        f"rayjobs: run {summary['run_name']} finished in {summary['wall_s']:.1f} s "
+        f"({workers} worker(s), {summary['device']}, {m.get('step', 0):.0f} steps)",
+        f"  {shown}",
+        f"  throughput: {summary['samples_per_s'] or 0:.0f} samples/s",
+        f"  results:    {summary['storage_path']}",
+        f"  checkpoint: {summary['checkpoint']}",
+    ]
+    return "\n".join(lines)
+
+
+def write_summary(summary: dict[str, Any], path: str) -> None:
+    """Write the run summary as JSON (keys: run_name, storage_path, checkpoint, mlflow_run_id,
+    wall_s, samples_per_s, metrics)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m rayjobs.train``: the same as ``rayjobs train``."""
+    from rayjobs.cli import main as cli_main
+
+    cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    main()
