@@ -118,9 +118,7 @@ def build(
 def training_flops_per_sample(model: nn.Module, info: DataInfo) -> float:
     """6 x (matmul parameters) x tokens + attention scores (PaLM appendix B), per sequence."""
     seq_len = info.input_shape[0]
-    matmul_params = sum(
-        m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear)
-    )
+    matmul_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     attention = 12 * model.n_layers * model.dim * seq_len
     return float(seq_len * (6 * matmul_params + attention))
 

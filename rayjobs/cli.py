@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from rayjobs.errors import ConfigError, TrainingFailed
 
@@ -21,7 +22,11 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train one run with Ray Train (TorchTrainer)")
     train.add_argument("--config", help="YAML config (default: the shipped digits job)")
     train.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one field by dotted path, e.g. --set optim.lr=1e-3 (repeatable)",
     )
     train.add_argument("--summary", metavar="PATH", help="write the run summary as JSON here")
@@ -40,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"rayjobs: error: {problem}", file=sys.stderr)
         sys.exit(2)
     except TrainingFailed as exc:
+        if exc.__cause__ is not None:  # the training's own error, not a user's config mistake: keep its trace
+            traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"rayjobs: training failed: {exc}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

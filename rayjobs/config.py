@@ -41,7 +41,9 @@ class RunSection(Section):
 
 class ModelSection(Section):
     name: str = Field("digits_cnn", description="Registry name, or 'package.module:callable' for your own model.")
-    flavor: str = Field("", description="Size preset of a registry model (every model has 'debug'); empty: its default.")
+    flavor: str = Field(
+        "", description="Size preset of a registry model (every model has 'debug'); empty: its default."
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the model builder.")
 
     @model_validator(mode="after")
@@ -157,8 +159,13 @@ class RunConfig(Section):
             spec = get_spec(self.model.name)
             if self.data.kind not in spec.data_kinds:
                 raise _MultiError(
-                    [("model.name", f"{self.model.name} needs {' or '.join(spec.data_kinds)} data, "
-                      f"but data.name={self.data.name} gives {self.data.kind}")]
+                    [
+                        (
+                            "model.name",
+                            f"{self.model.name} needs {' or '.join(spec.data_kinds)} data, "
+                            f"but data.name={self.data.name} gives {self.data.kind}",
+                        )
+                    ]
                 )
         if not self.run.name:
             base = self.model.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
@@ -192,7 +199,9 @@ def _data_problems(d: DataSection) -> list[tuple[str, str]]:
     spec = DATASETS[d.name]
     problems = _kwargs_problems("data.kwargs", spec.load, d.kwargs, f"dataset {spec.name}")
     if spec.kind(d.kwargs) not in SYNTHETIC_KINDS:
-        problems.append(("data.kwargs.kind", f"must be one of {', '.join(SYNTHETIC_KINDS)}, got {spec.kind(d.kwargs)!r}"))
+        problems.append(
+            ("data.kwargs.kind", f"must be one of {', '.join(SYNTHETIC_KINDS)}, got {spec.kind(d.kwargs)!r}")
+        )
     return problems
 
 
@@ -222,7 +231,9 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
     return problems
 
 
-def _kwargs_problems(path: str, fn: Any, kwargs: dict[str, Any], what: str, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+def _kwargs_problems(
+    path: str, fn: Any, kwargs: dict[str, Any], what: str, skip: tuple[str, ...] = ()
+) -> list[tuple[str, str]]:
     from rayjobs.data import accepted_kwargs
 
     allowed = accepted_kwargs(fn)
@@ -230,7 +241,10 @@ def _kwargs_problems(path: str, fn: Any, kwargs: dict[str, Any], what: str, skip
         return []
     allowed = [a for a in allowed if a not in skip]
     return [
-        (f"{path}.{key}", f"{what} takes no argument {key!r}{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or 'none'}")
+        (
+            f"{path}.{key}",
+            f"{what} takes no argument {key!r}{_did_you_mean(key, allowed)}; allowed: {', '.join(allowed) or 'none'}",
+        )
         for key in kwargs
         if key not in allowed
     ]

@@ -8,6 +8,7 @@ tested without Ray in multi-process gloo tests.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import random
@@ -39,8 +40,14 @@ def log(message: str) -> None:
 
 def train_fn_per_worker(config: dict[str, Any]) -> None:
     """Train one run on this worker. ``config`` is ``RunConfig.model_dump()`` plus ``_resolved``."""
-    import ray.train
 
+    # Ray Train logs every report at INFO on each worker; the loop prints its own progress lines.
+    try:
+        from ray.train.v2._internal.execution import context as train_context  # its logger is named by file
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:
+        pass
     resolved = config.pop("_resolved", {})
     cfg = from_dict(config)
     use_gpu = bool(resolved.get("use_gpu", False))
@@ -119,13 +126,13 @@ def train_fn_per_worker(config: dict[str, Any]) -> None:
                 window = []
                 if last:
                     break
-                ray.train.report(metrics)
+                report(metrics, None, resolved)
         if step >= total_steps:
             break
 
     # 5. Final: test metrics and a checkpoint of the weights, reported together.
     metrics.update(evaluate(model, splits.test, cfg, ctx, prefix="test"))
-    report_final(metrics, model, cfg, ctx, local_dir=resolved.get("local_checkpoint_dir"))
+    report_final(metrics, model, cfg, ctx, resolved)
 
 
 def seed_everything(seed: int) -> None:
@@ -139,15 +146,16 @@ def micro_batch_size(global_batch: int, world_size: int, grad_accum: int) -> int
     """Samples per forward pass on one worker; the global batch must divide evenly."""
     parts = world_size * grad_accum
     if global_batch % parts:
-        raise ValueError(
-            f"training.batch_size={global_batch} must be a multiple of workers x grad_accum = {parts}"
-        )
+        raise ValueError(f"training.batch_size={global_batch} must be a multiple of workers x grad_accum = {parts}")
     return global_batch // parts
 
 
 def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean cross-entropy over every prediction (a class per image, or a token per position)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()  # the softmax of an autocast run in fp32
+    return F.cross_entropy(flat, targets.reshape(-1))
 
 
 def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -235,13 +243,26 @@ def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:
     return 1.0 - progress
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """The LR schedule of ``cfg.optim`` over ``total_steps`` optimizer steps."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
+def report(metrics: dict[str, float], checkpoint: Any, resolved: dict[str, Any]) -> None:
+    """``ray.train.report`` on every rank; in local mode also the run's metrics history (no controller there)."""
+    import ray.train
+
+    if resolved.get("local_history_path"):
+        from rayjobs.train import append_history
+
+        append_history(resolved["local_history_path"], metrics)
+    ray.train.report(metrics, checkpoint=checkpoint)
+
+
 def report_final(
-    metrics: dict[str, float], model: nn.Module, cfg: RunConfig, ctx: WorkerContext, local_dir: str | None = None
+    metrics: dict[str, float], model: nn.Module, cfg: RunConfig, ctx: WorkerContext, resolved: dict[str, Any]
 ) -> None:
     """Report the final metrics with a checkpoint of the weights (written by rank 0).
 
@@ -250,8 +271,9 @@ def report_final(
     """
     import ray.train
 
+    local_dir = resolved.get("local_checkpoint_dir")
     if not ctx.is_main:
-        ray.train.report(metrics, checkpoint=None)
+        report(metrics, None, resolved)
         return
     if local_dir:
         staging = f"{local_dir}.tmp"
@@ -259,11 +281,11 @@ def report_final(
         write_weights(staging, model, cfg)
         shutil.rmtree(local_dir, ignore_errors=True)
         os.replace(staging, local_dir)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local_dir))
+        report(metrics, ray.train.Checkpoint.from_directory(local_dir), resolved)
         return
     with tempfile.TemporaryDirectory(prefix="rayjobs-final-") as d:
         write_weights(d, model, cfg)
-        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        report(metrics, ray.train.Checkpoint.from_directory(d), resolved)
 
 
 def write_weights(directory: str, model: nn.Module, cfg: RunConfig) -> None:

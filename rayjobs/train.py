@@ -34,10 +34,37 @@ class ScalingPlan:
         return max(1, self.num_workers)
 
 
-def _existing_cluster() -> bool:
-    import ray
+def append_history(path: str, metrics: dict[str, Any]) -> None:
+    """Append one report's numeric metrics to the run's ``metrics.jsonl``."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}) + "\n")
 
-    return ray.is_initialized() or bool(os.environ.get("RAY_ADDRESS"))
+
+def read_history(path: str) -> list[dict[str, Any]]:
+    """Every report of a run, oldest first (empty when the run has none yet)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _history_callback(path: str) -> Any:
+    from ray.train import UserCallback
+
+    class MetricsHistory(UserCallback):
+        """Runs in the Train controller (driver's node): appends rank 0's metrics of each report."""
+
+        def after_report(self, run_context: Any, metrics: list[dict[str, Any]], checkpoint: Any) -> None:
+            append_history(path, metrics[0])
+
+    return MetricsHistory()
+
+
+def _existing_cluster() -> bool:
+    """True when this driver runs against a cluster (RAY_ADDRESS, or Ray already initialized)."""
+    ray = sys.modules.get("ray")  # never import Ray just to ask: bad input must not start it
+    return bool(os.environ.get("RAY_ADDRESS")) or bool(ray is not None and ray.is_initialized())
 
 
 def local_gpu_count() -> int:
@@ -105,16 +132,20 @@ def cluster_gpu_count() -> int:
 
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train one run with Ray Train and return its summary (see ``write_summary``)."""
+    started = time.time()
+    local_mode = cfg.scaling.num_workers == 0
+    plan = plan_scaling(cfg, local_gpu_count() if local_mode else cluster_gpu_count())
+
     from ray.train import FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
     from rayjobs.loop import train_fn_per_worker
 
-    started = time.time()
-    local_mode = cfg.scaling.num_workers == 0
-    plan = plan_scaling(cfg, local_gpu_count() if local_mode else cluster_gpu_count())
     run_dir = os.path.join(cfg.storage_path, cfg.run.name)
+    history_path = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(history_path):
+        os.remove(history_path)  # this run's reports only
     if local_mode:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
@@ -124,6 +155,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "use_gpu": plan.use_gpu,
         "cpus_per_worker": plan.resources_per_worker.get("CPU", 1.0),
         "local_checkpoint_dir": os.path.join(run_dir, "checkpoint_final") if local_mode else None,
+        "local_history_path": history_path if local_mode else None,
     }
     trainer = TorchTrainer(
         train_fn_per_worker,
@@ -138,6 +170,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             storage_path=cfg.storage_path,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
+            callbacks=[] if local_mode else [_history_callback(history_path)],
         ),
     )
     try:
@@ -157,6 +190,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "num_workers": plan.num_workers,
         "device": "gpu" if plan.use_gpu else "cpu",
         "metrics": metrics,
+        "history": history_path,
     }
 
 

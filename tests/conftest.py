@@ -1,0 +1,137 @@
+"""Shared fixtures: environment restored after each test, process groups torn down, one Ray per module."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = str(Path(sys.executable).parent)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local Ray (2 CPUs) shared by every test in a module; shut down after it."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(
+        num_cpus=2,
+        include_dashboard=True,
+        log_to_driver=True,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}},
+    )
+    yield ray
+    ray.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment for a subprocess: the venv first on PATH, the repo and tests importable."""
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([VENV_BIN, env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    env.update(extra)
+    return env
+
+
+class RayHead:
+    """A real `ray start --head` on 127.0.0.1 with token auth on, started and stopped by a test."""
+
+    def __init__(self, tmp_root: Path, num_cpus: int = 2) -> None:
+        import secrets
+        import tempfile
+
+        # Ray's socket paths must stay short: a temp dir directly under /tmp.
+        self.temp_dir = tempfile.mkdtemp(prefix="rjh-", dir="/tmp")
+        self.gcs_port, self.dashboard_port = free_port(), free_port()
+        self.token = secrets.token_hex(16)
+        self.num_cpus = num_cpus
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.env = subprocess_env(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token)
+
+    def start(self) -> None:
+        import subprocess
+
+        cmd = [
+            f"{VENV_BIN}/ray",
+            "start",
+            "--head",
+            "--node-ip-address=127.0.0.1",
+            f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--num-cpus={self.num_cpus}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]
+        subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
+
+    def stop(self) -> None:
+        """Kill this head's processes only (`ray stop` would stop every Ray on the machine)."""
+        import psutil
+
+        marks = (self.temp_dir, f":{self.gcs_port}")
+        roots = []
+        for p in psutil.process_iter(["cmdline"]):
+            cmdline = " ".join(p.info["cmdline"] or [])
+            if any(m in cmdline for m in marks):
+                roots.append(p)
+        procs = {p.pid: p for r in roots for p in [r, *_children(r)]}
+        for p in procs.values():
+            try:
+                p.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _children(proc):
+    import psutil
+
+    try:
+        return proc.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """A `ray start --head` cluster (token auth on, 127.0.0.1) for the tests of one module."""
+    head = RayHead(tmp_path_factory.mktemp("ray-head"))
+    head.start()
+    yield head
+    head.stop()

@@ -1,0 +1,130 @@
+"""The command line: bad input exits 2 fast with one line per problem, no traceback, no Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import yaml
+from conftest import REPO, subprocess_env
+
+# Runs the CLI, then reports on stdout whether `ray` was ever imported (no import: no Ray process).
+PROBE = (
+    "import sys, atexit\n"
+    "atexit.register(lambda: print('RAY_IMPORTED=' + str('ray' in sys.modules)))\n"
+    "from rayjobs.cli import main\n"
+    "main(sys.argv[1:])\n"
+)
+
+
+def _ray_processes() -> set[int]:
+    names = {"raylet", "gcs_server"}
+    return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in names}
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():
+    before = _ray_processes()
+    started = time.monotonic()
+    proc = run_cli("train", "--set", "optim.lr=-1")
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert elapsed < 5, f"took {elapsed:.1f}s"
+    lines = proc.stderr.strip().splitlines()
+    assert lines == ["rayjobs: error: optim.lr: must be > 0, got -1"]
+    assert "RAY_IMPORTED=False" in proc.stdout
+    assert _ray_processes() <= before
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--config", "no/such.yaml"], "config: file not found: no/such.yaml"),
+        (["--set", "model.name=resnet"], "model.name: unknown model 'resnet'"),
+        (["--set", "data.name=imagenet"], "data.name: unknown dataset 'imagenet'"),
+        (
+            ["--set", "training.batch_size=63"],
+            "training.batch_size: must be a multiple of workers (2) x grad_accum (1) = 2, got 63",
+        ),
+        (
+            ["--set", "training.precision=fp16", "--set", "scaling.use_gpu=false"],
+            "training.precision: fp16 needs a GPU",
+        ),
+        (["--set", "scaling.use_gpu=true"], "scaling.use_gpu: true, but this machine has no GPU"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    if "use_gpu=true" in " ".join(args) or "batch_size=63" in " ".join(args):
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("the message differs on a GPU machine")
+    proc = run_cli("train", *args)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert "RAY_IMPORTED=False" in proc.stdout
+
+
+def test_bad_yaml_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("training:\n  epochs: 3\n   batch_size: 2\n")
+    proc = run_cli("train", "--config", str(bad))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"config: invalid YAML in {bad} at line 3" in proc.stderr
+
+
+def test_print_config_prints_the_resolved_yaml():
+    proc = run_cli("train", "--print-config", "--set", "optim.lr=0.02")
+    assert proc.returncode == 0, proc.stderr
+    printed = yaml.safe_load(proc.stdout.split("RAY_IMPORTED")[0])
+    assert printed["optim"]["lr"] == 0.02 and printed["run"]["storage_path"] == "results"
+
+
+def test_python_dash_m_rayjobs_train_is_the_same_entry():
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayjobs.train", "--set", "optim.lrr=1"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "rayjobs: error: optim.lrr: unknown key (did you mean 'lr'?); "
+        "allowed: name, lr, weight_decay, momentum, schedule, warmup_steps, grad_clip"
+    )
+
+
+def test_a_failed_training_exits_1_with_the_error(tmp_path):
+    proc = run_cli(
+        "train",
+        "--set",
+        "scaling.num_workers=0",
+        "--set",
+        "model.name=user_model:build_broken",
+        "--set",
+        "model.flavor=",
+        "--set",
+        f"run.storage_path={tmp_path}",
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "rayjobs: training failed: RuntimeError: boom: this model always fails"
+    assert 'user_model.py", line' in proc.stderr  # the model's own traceback, to debug it

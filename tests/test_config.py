@@ -1,0 +1,117 @@
+"""Config parsing, overrides, and every error form (one line naming the field)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayjobs.config import CONFIG_DIR, RunConfig, apply_override, from_dict, load_config, to_yaml
+from rayjobs.errors import ConfigError
+
+SHIPPED = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+def problems(*overrides: str, path: str | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return info.value.problems
+
+
+def test_defaults_and_run_name():
+    cfg = from_dict({})
+    assert cfg.model.name == "digits_cnn" and cfg.model.flavor == "default"
+    assert cfg.run.name == "digits_cnn-digits"
+    assert os.path.isabs(cfg.storage_path)
+    gpt = from_dict({"model": {"name": "gpt"}, "data": {"name": "synthetic", "kwargs": {"kind": "tokens"}}})
+    assert gpt.model.flavor == "small"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_shipped_config_validates_and_opens_with_its_command(path: Path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    first_lines = path.read_text().splitlines()[:6]
+    assert any("rayjobs train" in line and line.startswith("#") for line in first_lines), first_lines
+
+
+def test_set_values_are_typed_by_the_schema():
+    cfg = load_config(
+        None,
+        [
+            "optim.lr=1e-3",
+            "training.epochs=3",
+            "scaling.use_gpu=false",
+            "model.flavor=debug",
+            "run.name=007",
+            "model.kwargs.width=8",
+        ],
+    )
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.training.epochs == 3 and cfg.scaling.use_gpu is False
+    assert cfg.run.name == "007" and cfg.model.kwargs == {"width": 8}
+
+
+def test_print_config_round_trips():
+    cfg = load_config(None, ["optim.lr=0.01", "training.batch_size=32"])
+    again = from_dict(yaml.safe_load(to_yaml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["optim.lr=-1"], "optim.lr: must be > 0, got -1"),
+        (["optim.name=adam"], "optim.name: must be one of 'adamw', 'sgd', got 'adam'"),
+        (["optim.lrr=1"], "optim.lrr: unknown key (did you mean 'lr'?)"),
+        (["optimizer.lr=1"], "optimizer: unknown key (did you mean 'optim'?)"),
+        (["training.epochs=abc"], "training.epochs: must be an integer, got 'abc'"),
+        (["training.grad_accum=0"], "training.grad_accum: must be >= 1, got 0"),
+        (["training.precision=fp8"], "training.precision: must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
+        (["scaling.num_workers=-2"], "scaling.num_workers: must be an integer >= 0 or 'auto', got -2"),
+        (["scaling.use_gpu=maybe"], "scaling.use_gpu: must be true, false or 'auto', got 'maybe'"),
+        (["model.name=gpy"], "model.name: unknown model 'gpy' (did you mean 'gpt'?)"),
+        (["model.flavor=huge"], "model.flavor: digits_cnn has no flavor 'huge'"),
+        (["model.kwargs.widht=3"], "model.kwargs.widht: digits_cnn takes no argument 'widht' (did you mean 'width'?)"),
+        (["data.name=digit"], "data.name: unknown dataset 'digit' (did you mean 'digits'?)"),
+        (["data.name=synthetic", "data.kwargs.kind=tokens"], "model.name: digits_cnn needs image data"),
+        (["model.name=nosuchpkg.mod:build"], "model.name: cannot import 'nosuchpkg.mod:build'"),
+        (["run.name=a/b"], "run.name: must be a plain name without '/'"),
+        (["optim"], "--set optim: expected key=value"),
+        (["optim.lr.x=1"], "--set optim.lr.x=1: optim.lr is not a section"),
+    ],
+)
+def test_each_error_names_the_field(overrides, expected):
+    lines = problems(*overrides)
+    assert any(line.startswith(expected) for line in lines), lines
+    assert all("\n" not in line for line in lines)
+
+
+def test_several_problems_are_all_reported():
+    lines = problems("optim.lr=0", "training.epochs=0", "model.name=gpy", "data.name=x")
+    assert {line.split(":")[0] for line in lines} == {"optim.lr", "training.epochs", "model.name", "data.name"}
+
+
+def test_file_errors(tmp_path: Path):
+    assert problems(path=str(tmp_path / "missing.yaml"))[0].startswith("config: file not found:")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lr: [1, 2\n")
+    assert "invalid YAML" in problems(path=str(bad))[0] and "line" in problems(path=str(bad))[0]
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("just a string\n")
+    assert "must be a mapping" in problems(path=str(scalar))[0]
+
+
+def test_user_model_by_import_path():
+    cfg = load_config(None, ["model.name=user_model:build_tiny", "model.flavor=", "model.kwargs.hidden=4"])
+    assert cfg.model.name == "user_model:build_tiny"
+    lines = problems("model.name=user_model:build_tiny", "model.flavor=", "model.kwargs.depth=2")
+    assert lines[0].startswith("model.kwargs.depth: user_model:build_tiny takes no argument 'depth'")
+
+
+def test_apply_override_creates_nested_dicts():
+    raw: dict = {}
+    apply_override(raw, "data.kwargs.shape=[1, 4, 4]")
+    assert raw == {"data": {"kwargs": {"shape": [1, 4, 4]}}}

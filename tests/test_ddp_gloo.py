@@ -1,0 +1,82 @@
+"""DDP over 2 gloo processes (no Ray) ends with the same parameters as one process on the global batch.
+
+Both sides run in float64, so the only difference left is the order of floating-point sums:
+the tolerance (1e-10) is tight enough that any error in loss normalization or accumulation fails.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from models import DataInfo, build_model
+from rayjobs import loop
+from rayjobs.config import from_dict
+from rayjobs.parallel import WorkerContext, wrap_data_parallel
+
+STEPS, GLOBAL_BATCH = 5, 16
+CASES = {
+    "mlp": (DataInfo("image", (1, 8, 8), 10), {"name": "sgd", "lr": 0.1}),
+    "gpt": (DataInfo("tokens", (12,), 32), {"name": "adamw", "lr": 0.01}),
+}
+
+
+def _data(name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    info = CASES[name][0]
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(STEPS):
+        if info.kind == "tokens":
+            x = torch.randint(0, info.num_classes, (GLOBAL_BATCH, *info.input_shape), generator=g)
+            y = torch.randint(0, info.num_classes, (GLOBAL_BATCH, *info.input_shape), generator=g)
+        else:
+            x = torch.randn(GLOBAL_BATCH, *info.input_shape, generator=g, dtype=torch.float64)
+            y = torch.randint(0, info.num_classes, (GLOBAL_BATCH,), generator=g)
+        out.append((x, y))
+    return out
+
+
+def _train(name: str, ctx: WorkerContext, accum: int) -> torch.nn.Module:
+    info, optim = CASES[name]
+    cfg = from_dict({"optim": optim, "training": {"grad_accum": accum}})
+    torch.manual_seed(0)
+    model = wrap_data_parallel(build_model(name, "debug", {}, info).double(), ctx)
+    opt = loop.build_optimizer(model, cfg)
+    per_rank = GLOBAL_BATCH // ctx.world_size
+    for x, y in _data(name):
+        xs, ys = x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
+        loop.train_step(model, list(zip(xs.chunk(accum), ys.chunk(accum))), opt, cfg, ctx)
+    return model
+
+
+def _worker(rank: int, world: int, port: int, name: str, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ctx = WorkerContext.from_process_group()
+        model = _train(name, ctx, accum=2)
+        if rank == 0:
+            torch.save(model.module.state_dict(), out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_ddp_two_processes_match_one_process_on_the_global_batch(name: str, tmp_path):
+    from conftest import free_port
+
+    out = str(tmp_path / "ddp.pt")
+    mp.spawn(_worker, args=(2, free_port(), name, out), nprocs=2, join=True)
+    ddp = torch.load(out, weights_only=True)
+    reference = _train(name, WorkerContext(0, 1, 0, torch.device("cpu")), accum=1).state_dict()
+    assert ddp.keys() == reference.keys()
+    for key in reference:
+        torch.testing.assert_close(ddp[key], reference[key], rtol=0, atol=1e-10, msg=key)
+    torch.manual_seed(0)
+    initial = build_model(name, "debug", {}, CASES[name][0]).double()
+    assert any(not torch.equal(initial.state_dict()[k], reference[k]) for k in reference)  # it trained

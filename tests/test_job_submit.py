@@ -1,0 +1,75 @@
+"""`ray job submit` against a real `ray start --head` (token auth on): the job succeeds, output streams."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from conftest import REPO, VENV_BIN
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_ray_job_submit_runs_the_training_driver(ray_head, tmp_path):
+    summary = tmp_path / "summary.json"
+    cmd = [
+        f"{VENV_BIN}/ray",
+        "job",
+        "submit",
+        "--address",
+        ray_head.address,
+        "--working-dir",
+        ".",
+        "--",
+        "python",
+        "-m",
+        "rayjobs.train",
+        "--set",
+        "training.epochs=2",
+        "--set",
+        "run.name=submitted",
+        "--set",
+        f"run.storage_path={tmp_path}",
+        "--summary",
+        str(summary),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=ray_head.env, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "succeeded" in out
+    assert "[rayjobs] digits_cnn/default" in out  # the workers' output streamed back to the submitter
+    assert "rayjobs: run submitted finished" in out
+    saved = json.loads(summary.read_text())
+    assert saved["num_workers"] == 2 and saved["metrics"]["step"] == 2 * (1257 // 64)
+    assert saved["metrics"]["test/accuracy"] > 0.8
+
+    status = subprocess.run(
+        [f"{VENV_BIN}/ray", "job", "list", "--address", ray_head.address],
+        env=ray_head.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "SUCCEEDED" in status.stdout + status.stderr
+
+
+def test_a_client_without_the_token_is_refused(ray_head):
+    env = {k: v for k, v in ray_head.env.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_MODE")}
+    env["RAY_AUTH_TOKEN_PATH"] = "/nonexistent/token"
+    proc = subprocess.run(
+        [f"{VENV_BIN}/ray", "job", "list", "--address", ray_head.address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "Token authentication is enabled but no authentication token was found" in proc.stdout + proc.stderr
+
+    import urllib.error
+    import urllib.request
+
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{ray_head.address}/api/jobs/", timeout=30)
+    assert info.value.code == 401
