@@ -9,7 +9,7 @@ PYTEST_FLAGS ?=
 
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
-.PHONY: setup train test test-fast lint format bench clean
+.PHONY: setup train test test-fast lint format bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,12 @@ test: setup
 
 test-fast: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests
+
+bench: setup
+	$(VENV)/bin/rayjobs bench --json results/bench.json
+
+bench-quick: setup
+	$(VENV)/bin/rayjobs bench --quick --json results/bench-quick.json
 
 lint: setup
 	$(VENV)/bin/ruff check rayjobs models tests benchmarks

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from pathlib import Path
 
 from rayjobs.errors import ConfigError, TrainingFailed
 
@@ -30,7 +31,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one field by dotted path, e.g. --set optim.lr=1e-3 (repeatable)",
     )
     train.add_argument("--summary", metavar="PATH", help="write the run summary as JSON here")
+    train.add_argument("--resume-from", metavar="CHECKPOINT", help="resume from this checkpoint directory")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+    listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
+    listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
+    listing.add_argument("--storage-path", default="results", help="where run names are looked up")
+
+    export = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict or safetensors")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    export.add_argument(
+        "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
+    )
+
+    bench = sub.add_parser("bench", help="run the side-by-side benchmarks (ratios, with goals)")
+    bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    bench.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
+    bench.add_argument("--json", metavar="PATH", default="results/bench.json", help="where to write the figures")
+    bench.add_argument("--chart", metavar="PATH", help="PNG chart (default: beside --json)")
     return parser
 
 
@@ -40,6 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "train":
             _train(args)
+        elif args.command == "bench":
+            _bench(args)
+        elif args.command == "checkpoints":
+            _checkpoints(args)
+        elif args.command == "export":
+            _export(args)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"rayjobs: error: {problem}", file=sys.stderr)
@@ -57,7 +81,10 @@ def main(argv: list[str] | None = None) -> None:
 def _train(args: argparse.Namespace) -> None:
     from rayjobs.config import load_config, to_yaml
 
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.resume_from:
+        overrides.append(f"checkpoint.resume_from={args.resume_from}")
+    cfg = load_config(args.config, overrides)
     if args.print_config:
         print(to_yaml(cfg), end="")
         return
@@ -68,6 +95,67 @@ def _train(args: argparse.Namespace) -> None:
     if args.summary:
         train.write_summary(summary, args.summary)
         print(f"  summary:    {args.summary}")
+
+
+def _checkpoints(args: argparse.Namespace) -> None:
+    import os
+
+    from rayjobs.checkpoint import list_checkpoints
+
+    run_dir = args.run if os.path.isdir(args.run) else os.path.join(args.storage_path, args.run)
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"checkpoints: no run directory {args.run!r} (nor {run_dir}); give a run directory or name")
+    infos = list_checkpoints(run_dir)
+    if not infos:
+        print(f"{run_dir}: no checkpoints")
+        return
+    print(f"{'step':>8}  {'status':<10}  {'val/loss':>9}  {'val/acc':>8}  path")
+    for c in infos:
+        status = "complete" if c.complete else "INCOMPLETE"
+        vl, va = c.metrics.get("val/loss"), c.metrics.get("val/accuracy")
+        fmt = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        print(
+            f"{c.step:>8}  {status:<10}  {fmt(vl):>9}  {fmt(va):>8}  {c.path}"
+            + (f"  ({c.problem})" if c.problem else "")
+        )
+
+
+def _export(args: argparse.Namespace) -> None:
+    import os
+
+    from rayjobs.checkpoint import CheckpointError, export_weights
+
+    if not os.path.isdir(args.checkpoint):
+        raise ConfigError(f"export: no checkpoint directory at {args.checkpoint}")
+    if not args.out.endswith((".pt", ".pth", ".safetensors")):
+        raise ConfigError(f"export: --out must end in .pt, .pth or .safetensors, got {args.out!r}")
+    try:
+        info = export_weights(args.checkpoint, args.out)
+    except CheckpointError as exc:
+        raise ConfigError(f"export: {exc}") from None
+    print(
+        f"exported {info['tensors']} tensors ({info['parameters']:,} parameters) of "
+        f"{info['model']}/{info['flavor']} to {args.out}"
+    )
+
+
+def _bench(args: argparse.Namespace) -> None:
+    from rayjobs.config import REPO_ROOT
+
+    if not (REPO_ROOT / "benchmarks" / "harness.py").exists():
+        raise ConfigError("bench: the benchmarks/ folder is not here; run from a clone of the rayjobs repository")
+    from benchmarks import harness
+
+    known = list(harness.load_all())
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        raise ConfigError(f"bench: unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    results = harness.run(args.names, args.quick)
+    print(harness.format_table(results))
+    harness.write_json(results, args.json)
+    chart = args.chart or str(Path(args.json).with_suffix(".png"))
+    harness.draw_chart(results, chart)
+    print(f"\nbench: figures in {args.json}, chart in {chart}")
 
 
 if __name__ == "__main__":

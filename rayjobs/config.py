@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from rayjobs.errors import ConfigError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = CONFIG_DIR / "digits.yaml"
 
 
@@ -96,6 +97,9 @@ class TrainingSection(Section):
     seed: int = Field(0, description="Seed of model init, data order and dropout.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = at each epoch's end.")
     log_every: int = Field(20, ge=1, description="Print train loss every N optimizer steps.")
+    nan_policy: Literal["stop", "skip"] = Field(
+        "stop", description="A NaN/Inf loss on any rank: stop every rank at that step, or skip that step."
+    )
 
 
 class ScalingSection(Section):
@@ -136,6 +140,48 @@ class ScalingSection(Section):
         return v
 
 
+REPORTED_METRICS = ("val/loss", "val/accuracy", "train/loss")
+
+
+class CheckpointSection(Section):
+    model_config = ConfigDict(
+        extra="forbid",
+        coerce_numbers_to_str=True,
+        validate_assignment=True,
+        populate_by_name=True,
+        serialize_by_alias=True,
+    )
+
+    every_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 = off.")
+    every_epochs: int = Field(
+        1, ge=0, description="Checkpoint every N epochs; 0 = off. One is always taken at the end."
+    )
+    keep_last: int = Field(2, ge=1, description="Keep this many newest complete checkpoints.")
+    keep_best: int = Field(0, ge=0, description="Also keep this many best by `metric`.")
+    metric: str = Field("val/loss", description="Metric that ranks checkpoints for keep_best.")
+    mode: Literal["min", "max"] = Field("min", description="Whether a lower or higher `metric` is better.")
+    async_save: bool = Field(False, alias="async", description="Write checkpoints while training goes on.")
+    resume_from: str = Field("", description="Resume from this checkpoint; empty: this run's newest complete one.")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        if v not in REPORTED_METRICS:
+            raise ValueError(f"must be one of {', '.join(REPORTED_METRICS)}, got {v!r}")
+        return v
+
+
+class FaultsSection(Section):
+    """Fault injection, off by default: for tests, and for users who want to see their job resume."""
+
+    kill_rank: int = Field(0, ge=0, description="Rank that kill_at_step kills.")
+    kill_at_step: int = Field(0, ge=0, description="Kill that rank hard (SIGKILL) at this step, once; 0 = off.")
+    raise_at_step: int = Field(0, ge=0, description="Raise an error on rank 0 at this step, once; 0 = off.")
+    nan_rank: int = Field(0, ge=0, description="Rank whose loss nan_at_step makes NaN.")
+    nan_at_step: int = Field(0, ge=0, description="Make the loss NaN on nan_rank at this step; 0 = off.")
+    corrupt_latest_checkpoint: bool = Field(False, description="Corrupt the newest checkpoint before resuming, once.")
+
+
 class FailureSection(Section):
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts allowed; -1 = unlimited.")
 
@@ -149,7 +195,9 @@ class RunConfig(Section):
     optim: OptimSection = Field(default_factory=OptimSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     failure: FailureSection = Field(default_factory=FailureSection)
+    faults: FaultsSection = Field(default_factory=FaultsSection)
 
     @model_validator(mode="after")
     def _model_fits_data(self) -> RunConfig:
@@ -176,6 +224,11 @@ class RunConfig(Section):
     def storage_path(self) -> str:
         """The absolute storage path (relative paths are taken from the current directory)."""
         return os.path.abspath(os.path.expanduser(self.run.storage_path))
+
+    @property
+    def run_dir(self) -> str:
+        """Where this run's checkpoints, metrics and Ray Train state live."""
+        return os.path.join(self.storage_path, self.run.name)
 
 
 class _MultiError(ValueError):

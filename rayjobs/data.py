@@ -114,17 +114,38 @@ def accepted_kwargs(fn: Callable[..., Any]) -> list[str] | None:
     return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way: ``start_index`` samples are skipped.
+
+    The order is still a pure function of (seed, epoch, rank, world size), so a run resumed at
+    step k of an epoch sees exactly the samples the uninterrupted run saw from step k on.
+    """
+
+    start_index: int = 0
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(list(super().__iter__())[self.start_index :])
+
+    def __len__(self) -> int:
+        return max(0, super().__len__() - self.start_index)
+
+
 def shard_loader(
     dataset: Dataset, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool = True
 ) -> DataLoader:
-    """This rank's loader over ``dataset``: a DistributedSampler with equal, full batches.
+    """This rank's loader over ``dataset``: a resumable DistributedSampler with equal, full batches.
 
-    Call ``loader.sampler.set_epoch(epoch)`` at the start of every epoch.
+    Call ``loader.sampler.set_epoch(epoch)`` at the start of every epoch. The loader has its own
+    generator, so creating an iterator never draws from the global RNG (which dropout uses).
     """
-    sampler = DistributedSampler(
-        dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True
+    sampler = ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed, drop_last=True)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(seed),
     )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
 
 
 def eval_shard(dataset: Dataset, rank: int, world_size: int, batch_size: int) -> DataLoader:

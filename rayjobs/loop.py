@@ -12,21 +12,26 @@ import logging
 import math
 import os
 import random
-import shutil
+import signal
 import sys
-import tempfile
+import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from models import build_model
+from rayjobs import checkpoint as ckpt
 from rayjobs import data as data_lib
+from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import RunConfig, from_dict
+from rayjobs.faults import Faults
 from rayjobs.parallel import WorkerContext, all_reduce_sum, current_context, unwrap, wrap_data_parallel
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -38,34 +43,27 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def train_fn_per_worker(config: dict[str, Any]) -> None:
-    """Train one run on this worker. ``config`` is ``RunConfig.model_dump()`` plus ``_resolved``."""
+def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
+    """Train one run on this worker. ``config`` is ``RunConfig.model_dump()`` plus ``_resolved``.
 
-    # Ray Train logs every report at INFO on each worker; the loop prints its own progress lines.
-    try:
-        from ray.train.v2._internal.execution import context as train_context  # its logger is named by file
-
-        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
-    except ImportError:
-        pass
+    Returns (rank 0's value reaches the driver as ``Result.return_value``) how the run ended.
+    """
+    quiet_ray_train_logs()
     resolved = config.pop("_resolved", {})
     cfg = from_dict(config)
-    use_gpu = bool(resolved.get("use_gpu", False))
-    ctx = current_context(use_gpu)
+    ctx = current_context(bool(resolved.get("use_gpu", False)))
     if ctx.device.type == "cpu":
         torch.set_num_threads(max(1, int(resolved.get("cpus_per_worker", 1))))
     seed_everything(cfg.training.seed)
+    accum = cfg.training.grad_accum
 
     # 1. Data: this rank's shard of the training set; micro-batches sized from the global batch.
     splits = data_lib.load(cfg.data.name, cfg.data.kwargs)
-    micro_batch = micro_batch_size(cfg.training.batch_size, ctx.world_size, cfg.training.grad_accum)
+    micro_batch = micro_batch_size(cfg.training.batch_size, ctx.world_size, accum)
     train_loader = data_lib.shard_loader(splits.train, micro_batch, ctx.rank, ctx.world_size, cfg.training.seed)
-    steps_per_epoch = len(train_loader) // cfg.training.grad_accum
+    steps_per_epoch = len(train_loader) // accum
     if steps_per_epoch == 0:
-        raise ValueError(
-            f"training.batch_size={cfg.training.batch_size} is larger than the training set "
-            f"({len(splits.train)} samples); lower it"  # type: ignore[arg-type]
-        )
+        raise ValueError(f"training.batch_size={cfg.training.batch_size} is larger than the training set; lower it")
     total_steps = steps_per_epoch * cfg.training.epochs
     if cfg.training.max_steps:
         total_steps = min(total_steps, cfg.training.max_steps)
@@ -77,62 +75,231 @@ def train_fn_per_worker(config: dict[str, Any]) -> None:
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg, total_steps)
     scaler = torch.amp.GradScaler(enabled=cfg.training.precision == "fp16" and ctx.device.type == "cuda")
+
+    # 3. Resume from the newest complete checkpoint (restart, re-run) or checkpoint.resume_from.
+    faults = Faults(cfg.faults, cfg.run_dir, ctx)
+    state, resumed_from = resume(cfg, ctx, model, optimizer, scheduler, scaler, faults)
+    saver = Saver(
+        cfg.run_dir,
+        ctx,
+        cfg.model_dump(mode="json"),
+        cfg.checkpoint.keep_last,
+        cfg.checkpoint.keep_best,
+        cfg.checkpoint.metric,
+        cfg.checkpoint.mode,
+        cfg.checkpoint.async_save,
+    )
+    preemption = Preemption(local_mode=bool(resolved.get("local_mode")))
     if ctx.is_main:
         n_params = sum(p.numel() for p in unwrap(model).parameters())
         log(
-            f"{cfg.model.name}/{cfg.model.flavor}: {n_params:,} parameters; "
-            f"{ctx.world_size} worker(s) on {ctx.device.type}; micro-batch {micro_batch} x "
-            f"accum {cfg.training.grad_accum} x {ctx.world_size} = {cfg.training.batch_size}; {total_steps} steps"
+            f"{cfg.model.name}/{cfg.model.flavor}: {n_params:,} parameters; {ctx.world_size} worker(s) on "
+            f"{ctx.device.type}; micro-batch {micro_batch} x accum {accum} x {ctx.world_size} = "
+            f"{cfg.training.batch_size}; {total_steps} steps" + (f"; from step {state.step}" if resumed_from else "")
         )
 
-    # 3. Loop: accumulate micro-batches, step, evaluate and report at eval points.
-    step, train_time, samples = 0, 0.0, 0
-    window: list[float] = []
-    metrics: dict[str, float] = {}
-    eval_every = cfg.training.eval_every or steps_per_epoch
-    for epoch in range(cfg.training.epochs):
-        train_loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
-        batches = iter(train_loader)
-        for _ in range(steps_per_epoch):
-            if step >= total_steps:
-                break
+    # 4. Loop: accumulate micro-batches, step, evaluate/checkpoint/report at their boundaries.
+    train_time, saved_at_step = 0.0, state.step if resumed_from else -1
+    while state.step < total_steps:
+        if state.step_in_epoch >= steps_per_epoch:
+            state.epoch, state.step_in_epoch = state.epoch + 1, 0
+            continue
+        train_loader.sampler.set_epoch(state.epoch)  # type: ignore[attr-defined]
+        train_loader.sampler.start_index = state.step_in_epoch * accum * micro_batch  # type: ignore[attr-defined]
+        batches, end_of_epoch = iter(train_loader), False
+        while state.step < total_steps and state.step_in_epoch < steps_per_epoch and not end_of_epoch:
             t0 = time.perf_counter()
-            group = [next(batches) for _ in range(cfg.training.grad_accum)]
-            loss, grad_norm = train_step(model, group, optimizer, cfg, ctx, scaler)
+            faults.before_step(state.step + 1)
+            group = [next(batches) for _ in range(accum)]
+            result = train_step(model, group, optimizer, cfg, ctx, scaler, inject_nan=faults.nan_now(state.step + 1))
+            if not result.finite and cfg.training.nan_policy == "stop":
+                return stop_on_nan(state.step + 1, result.bad_ranks, saver, ctx, resolved)
             scheduler.step()
-            step += 1
+            state.step, state.step_in_epoch = state.step + 1, state.step_in_epoch + 1
+            state.samples += cfg.training.batch_size
+            if result.finite:
+                state.loss_sum, state.loss_count = state.loss_sum + result.loss, state.loss_count + 1
+            elif ctx.is_main:
+                log(f"step {state.step}: non-finite loss on rank(s) {result.bad_ranks}; step skipped (nan_policy=skip)")
             train_time += time.perf_counter() - t0
-            samples += cfg.training.batch_size
-            window.append(loss)
-            if ctx.is_main and step % cfg.training.log_every == 0:
+            if ctx.is_main and state.step % cfg.training.log_every == 0:
                 log(
-                    f"step {step}/{total_steps} epoch {epoch + 1} loss {loss:.4f} "
-                    f"lr {scheduler.get_last_lr()[0]:.2e} {samples / train_time:.0f} samples/s"
+                    f"step {state.step}/{total_steps} epoch {state.epoch + 1} loss {result.loss:.4f} "
+                    f"lr {scheduler.get_last_lr()[0]:.2e} {state.samples / max(train_time, 1e-9):.0f} samples/s"
                 )
 
-            # 4. Eval and report (a barrier on every rank) at each eval point and at the end.
-            last = step == total_steps
-            if step % eval_every == 0 or last:
-                mean_loss = all_reduce_sum([sum(window), len(window)], ctx)
-                metrics = {
-                    "step": step,
-                    "epoch": epoch + 1,
-                    "train/loss": mean_loss[0] / max(mean_loss[1], 1),
-                    "train/lr": scheduler.get_last_lr()[0],
-                    "train/grad_norm": grad_norm,
-                    "train/samples_per_s": samples / train_time,
-                    **evaluate(model, splits.val, cfg, ctx, prefix="val"),
-                }
-                window = []
-                if last:
-                    break
-                report(metrics, None, resolved)
-        if step >= total_steps:
-            break
+            # 5. Boundaries: eval, checkpoint (also on preemption), report: the same on every rank.
+            end_of_epoch = state.step_in_epoch == steps_per_epoch
+            if end_of_epoch:
+                state.epoch, state.step_in_epoch = state.epoch + 1, 0
+            if state.step == total_steps:
+                break  # the final eval, checkpoint and report follow the loop
+            do_eval = (state.step % cfg.training.eval_every == 0) if cfg.training.eval_every else end_of_epoch
+            do_save = checkpoint_due(cfg, state.step, state.epoch, end_of_epoch) or preemption.requested(
+                ctx, state.step
+            )
+            if do_eval:
+                state.metrics = summarize(state, scheduler, result.grad_norm, train_time, ctx, model, splits.val, cfg)
+            if do_save:
+                path = saver.save(state.step, model, optimizer, scheduler, scaler, state)
+                saved_at_step = state.step
+            if do_eval or do_save:  # a checkpoint-only report carries no stale eval metrics
+                shown = state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}
+                report(shown, path if do_save else None, resolved)
+            preemption.exit_if_requested(ctx)
 
-    # 5. Final: test metrics and a checkpoint of the weights, reported together.
-    metrics.update(evaluate(model, splits.test, cfg, ctx, prefix="test"))
-    report_final(metrics, model, cfg, ctx, resolved)
+    # 6. Final: test metrics, a checkpoint of the final state (always), one last report.
+    saver.wait()
+    state.metrics = summarize(
+        state, scheduler, state.metrics.get("train/grad_norm", 0.0), train_time, ctx, model, splits.val, cfg
+    )
+    state.metrics.update(evaluate(model, splits.test, cfg, ctx, prefix="test"))
+    if saved_at_step == state.step and resumed_from and state.step == resumed_from[1]:
+        final = resumed_from[0]  # nothing trained since: that checkpoint is the final state
+    else:
+        final = saver.save(state.step, model, optimizer, scheduler, scaler, state, force_sync=True)
+    state.metrics["checkpoint/blocked_s"] = sum(saver.blocked_s) / max(1, len(saver.blocked_s))
+    report(state.metrics, final, resolved)
+    return {"stopped": "done", "step": state.step}
+
+
+def quiet_ray_train_logs() -> None:
+    """Ray Train logs every report at INFO on each worker; the loop prints its own progress lines."""
+    try:
+        from ray.train.v2._internal.execution import context as train_context  # its logger is named by file
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
+    except ImportError:
+        pass
+
+
+def checkpoint_due(cfg: RunConfig, step: int, epoch: int, end_of_epoch: bool) -> bool:
+    """Whether ``checkpoint.every_steps`` or ``checkpoint.every_epochs`` asks for a save now."""
+    c = cfg.checkpoint
+    return bool(
+        (c.every_steps and step % c.every_steps == 0)
+        or (c.every_epochs and end_of_epoch and epoch % c.every_epochs == 0)
+    )
+
+
+def summarize(
+    state: TrainState,
+    scheduler: Any,
+    grad_norm: float,
+    train_time: float,
+    ctx: WorkerContext,
+    model: nn.Module,
+    val: Any,
+    cfg: RunConfig,
+) -> dict[str, float]:
+    """The metrics of a report: the train-loss mean since the last report (then reset), LR, eval."""
+    loss_sum, count = all_reduce_sum([state.loss_sum, state.loss_count], ctx)
+    state.loss_sum, state.loss_count = 0.0, 0
+    return {
+        "step": state.step,
+        "epoch": state.epoch,
+        "train/loss": loss_sum / max(count, 1),
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/grad_norm": grad_norm,
+        "train/samples_per_s": state.samples / max(train_time, 1e-9),
+        **evaluate(model, val, cfg, ctx, prefix="val"),
+    }
+
+
+def resume(
+    cfg: RunConfig,
+    ctx: WorkerContext,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any,
+    faults: Faults,
+) -> tuple[TrainState, tuple[str, int] | None]:
+    """Load the checkpoint to resume from, if any; rank 0 chooses (and verifies) it for every rank."""
+    choice: list[Any] = [None]
+    if ctx.is_main:
+        faults.corrupt_latest(cfg.run_dir)
+        if cfg.checkpoint.resume_from:
+            problem = ckpt.verify(cfg.checkpoint.resume_from)
+            choice = [
+                f"error: --resume-from {cfg.checkpoint.resume_from}: {problem}"
+                if problem
+                else cfg.checkpoint.resume_from
+            ]
+        else:
+            info = ckpt.latest_complete(cfg.run_dir)
+            choice = [info.path if info else None]
+            if info is None and ckpt.list_checkpoints(cfg.run_dir, check=False):
+                log(f"no complete checkpoint in {cfg.run_dir}: starting from step 0")
+    if ctx.world_size > 1 and dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    path = choice[0]
+    if path is None:
+        return TrainState(), None
+    if path.startswith("error: "):
+        raise ckpt.CheckpointError(path.removeprefix("error: "))
+    saved = ckpt.load(path, model, optimizer, ctx, scheduler, scaler)
+    state = TrainState(**saved["train"])
+    if ctx.is_main:
+        log(f"resumed from {path} at step {state.step} (epoch {state.epoch + 1}, step {state.step_in_epoch} of it)")
+        if saved["world_size"] != ctx.world_size:
+            log(
+                f"the checkpoint was written by {saved['world_size']} worker(s), this run has {ctx.world_size}: "
+                f"DCP resharded the model and optimizer; the global batch stays {cfg.training.batch_size} "
+                f"and the data order is the same; dropout RNG streams restart from the seed"
+            )
+    return state, (path, state.step)
+
+
+def stop_on_nan(
+    step: int, bad_ranks: list[int], saver: Saver, ctx: WorkerContext, resolved: dict[str, Any]
+) -> dict[str, Any]:
+    """Every rank stops at the same step; the driver turns this report into a clear failure."""
+    saver.wait()
+    if ctx.is_main:
+        log(f"step {step}: non-finite loss on rank(s) {bad_ranks}; every rank stops here (training.nan_policy=stop)")
+    report({"step": step, "nan/stop_step": step}, None, resolved)
+    return {"stopped": "nan", "step": step, "ranks": bad_ranks}
+
+
+class Preemption:
+    """Notice of an imminent preemption: Ray's (a node being drained) or, in local mode, SIGTERM."""
+
+    CHECK_EVERY = 10  # steps between Ray's preemption checks (each is a barrier across workers)
+
+    def __init__(self, local_mode: bool) -> None:
+        self.local_mode = local_mode
+        self.sigterm = False
+        self.saved = False
+        if local_mode and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.sigterm = True
+
+    def requested(self, ctx: WorkerContext, step: int) -> bool:
+        """True once when a checkpoint should be taken now because of a preemption."""
+        if self.saved:
+            return False
+        if self.local_mode:
+            notice = self.sigterm
+        elif step % self.CHECK_EVERY == 0:
+            import ray.train
+
+            notice = ray.train.get_preemption_info() is not None
+        else:
+            notice = False
+        if notice:
+            self.saved = True
+            if ctx.is_main:
+                log(f"step {step}: preemption notice: taking a checkpoint now")
+        return notice
+
+    def exit_if_requested(self, ctx: WorkerContext) -> None:
+        """After the SIGTERM checkpoint (local mode), end the process the way SIGTERM would have."""
+        if self.sigterm and self.saved:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def seed_everything(seed: int) -> None:
@@ -166,6 +333,16 @@ def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContext
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+@dataclass
+class StepResult:
+    """What one optimizer step produced; ``finite`` is agreed across ranks."""
+
+    loss: float
+    grad_norm: float
+    finite: bool = True
+    bad_ranks: list[int] = field(default_factory=list)
+
+
 def train_step(
     model: nn.Module,
     micro_batches: Sequence[tuple[Tensor, Tensor]],
@@ -173,35 +350,54 @@ def train_step(
     cfg: RunConfig,
     ctx: WorkerContext,
     scaler: torch.amp.GradScaler | None = None,
-) -> tuple[float, float]:
-    """One optimizer step over ``grad_accum`` equal micro-batches; returns (mean loss, grad norm).
+    inject_nan: bool = False,
+) -> StepResult:
+    """One optimizer step over ``grad_accum`` equal micro-batches.
 
     Each micro-batch loss is a mean over its samples, divided by the number of micro-batches, so
     the summed gradient equals the gradient of the mean loss over the whole local batch; DDP then
     averages over ranks, giving exactly the gradient of one large global batch. Gradients are
-    all-reduced only on the last micro-batch (``no_sync`` before it).
+    all-reduced only on the last micro-batch (``no_sync`` before it). A non-finite loss on any
+    rank is agreed on by all ranks (an all-reduce of the flags); the step is then not taken.
     """
     model.train()
     accum = len(micro_batches)
     total = 0.0
+    scaling = scaler is not None and scaler.is_enabled()
     for i, (x, y) in enumerate(micro_batches):
         x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
         sync = i == accum - 1 or not hasattr(model, "no_sync")
         with contextlib.nullcontext() if sync else model.no_sync(), autocast(cfg, ctx.device):
             loss = loss_fn(model(x), y) / accum
-        (scaler.scale(loss) if scaler is not None and scaler.is_enabled() else loss).backward()
+            if inject_nan and i == accum - 1:
+                loss = loss * float("nan")
+        (scaler.scale(loss) if scaling else loss).backward()
         total += loss.item()
-    if scaler is not None and scaler.is_enabled():
+    bad_ranks = ranks_where(not math.isfinite(total), ctx)
+    if bad_ranks:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(total, float("nan"), finite=False, bad_ranks=bad_ranks)
+    if scaling:
         scaler.unscale_(optimizer)
     clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-    if scaler is not None and scaler.is_enabled():
+    if scaling:
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return total, grad_norm
+    return StepResult(total, grad_norm)
+
+
+def ranks_where(flag: bool, ctx: WorkerContext) -> list[int]:
+    """The ranks on which ``flag`` is true, known to every rank (one small all-reduce)."""
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return [ctx.rank] if flag else []
+    flags = torch.zeros(ctx.world_size, device=ctx.device)
+    flags[ctx.rank] = 1.0 if flag else 0.0
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f > 0]
 
 
 @torch.no_grad()
@@ -250,49 +446,18 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
 
 
-def report(metrics: dict[str, float], checkpoint: Any, resolved: dict[str, Any]) -> None:
-    """``ray.train.report`` on every rank; in local mode also the run's metrics history (no controller there)."""
+def report(metrics: dict[str, Any], checkpoint_path: str | None, resolved: dict[str, Any]) -> None:
+    """``ray.train.report`` on every rank (a barrier); rank 0 names the committed checkpoint.
+
+    Checkpoints are written straight into the run's storage by DCP, so Ray Train only records
+    them (``NO_UPLOAD``). In local mode (no controller) the metrics history is written here.
+    """
     import ray.train
+    from ray.train import CheckpointUploadMode
 
     if resolved.get("local_history_path"):
         from rayjobs.train import append_history
 
         append_history(resolved["local_history_path"], metrics)
-    ray.train.report(metrics, checkpoint=checkpoint)
-
-
-def report_final(
-    metrics: dict[str, float], model: nn.Module, cfg: RunConfig, ctx: WorkerContext, resolved: dict[str, Any]
-) -> None:
-    """Report the final metrics with a checkpoint of the weights (written by rank 0).
-
-    Ray Train copies a reported checkpoint into the run's storage; local mode does not, so there
-    the checkpoint is written straight to ``local_dir`` (under the run's storage path).
-    """
-    import ray.train
-
-    local_dir = resolved.get("local_checkpoint_dir")
-    if not ctx.is_main:
-        report(metrics, None, resolved)
-        return
-    if local_dir:
-        staging = f"{local_dir}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        write_weights(staging, model, cfg)
-        shutil.rmtree(local_dir, ignore_errors=True)
-        os.replace(staging, local_dir)
-        report(metrics, ray.train.Checkpoint.from_directory(local_dir), resolved)
-        return
-    with tempfile.TemporaryDirectory(prefix="rayjobs-final-") as d:
-        write_weights(d, model, cfg)
-        report(metrics, ray.train.Checkpoint.from_directory(d), resolved)
-
-
-def write_weights(directory: str, model: nn.Module, cfg: RunConfig) -> None:
-    """Write the model's state dict (``model.pt``) and the resolved config (``config.yaml``)."""
-    from rayjobs.config import to_yaml
-
-    os.makedirs(directory, exist_ok=True)
-    torch.save(unwrap(model).state_dict(), os.path.join(directory, "model.pt"))
-    with open(os.path.join(directory, "config.yaml"), "w") as f:
-        f.write(to_yaml(cfg))
+    checkpoint = ray.train.Checkpoint(checkpoint_path) if checkpoint_path else None
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)

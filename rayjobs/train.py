@@ -42,11 +42,16 @@ def append_history(path: str, metrics: dict[str, Any]) -> None:
 
 
 def read_history(path: str) -> list[dict[str, Any]]:
-    """Every report of a run, oldest first (empty when the run has none yet)."""
+    """Every report of a run by step, oldest first; a step replayed after a resume counts once (the last)."""
     if not os.path.exists(path):
         return []
+    by_step: dict[Any, dict[str, Any]] = {}
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                entry = json.loads(line)
+                by_step[entry.get("step")] = entry
+    return sorted(by_step.values(), key=lambda e: e.get("step") or 0)
 
 
 def _history_callback(path: str) -> Any:
@@ -95,9 +100,28 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
         problems.append("training.precision: fp16 needs a GPU; use bf16 or fp32 on CPU, got 'fp16'")
     if use_gpu and s.use_gpu is True and gpus_available == 0 and not _existing_cluster():
         problems.append("scaling.use_gpu: true, but this machine has no GPU; set it to auto or false")
+    f = cfg.faults
+    for name, rank in (("faults.kill_rank", f.kill_rank), ("faults.nan_rank", f.nan_rank)):
+        if rank >= plan.world_size:
+            problems.append(f"{name}: must be a rank below the world size {plan.world_size}, got {rank}")
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def check_resume_from(cfg: RunConfig) -> None:
+    """An explicit ``checkpoint.resume_from`` must be a complete checkpoint (checked before Ray starts)."""
+    if not cfg.checkpoint.resume_from:
+        return
+    from rayjobs.checkpoint import verify
+
+    path = os.path.abspath(cfg.checkpoint.resume_from)
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint.resume_from: no checkpoint directory at {path}")
+    problem = verify(path)
+    if problem:
+        raise ConfigError(f"checkpoint.resume_from: {path} is not a complete checkpoint: {problem}")
+    cfg.checkpoint.resume_from = path
 
 
 def init_ray(plan: ScalingPlan) -> None:
@@ -133,6 +157,7 @@ def cluster_gpu_count() -> int:
 def run(cfg: RunConfig) -> dict[str, Any]:
     """Train one run with Ray Train and return its summary (see ``write_summary``)."""
     started = time.time()
+    check_resume_from(cfg)
     local_mode = cfg.scaling.num_workers == 0
     plan = plan_scaling(cfg, local_gpu_count() if local_mode else cluster_gpu_count())
 
@@ -144,8 +169,6 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
     run_dir = os.path.join(cfg.storage_path, cfg.run.name)
     history_path = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(history_path):
-        os.remove(history_path)  # this run's reports only
     if local_mode:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
@@ -154,7 +177,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     loop_config["_resolved"] = {
         "use_gpu": plan.use_gpu,
         "cpus_per_worker": plan.resources_per_worker.get("CPU", 1.0),
-        "local_checkpoint_dir": os.path.join(run_dir, "checkpoint_final") if local_mode else None,
+        "local_mode": local_mode,
         "local_history_path": history_path if local_mode else None,
     }
     trainer = TorchTrainer(
@@ -179,6 +202,17 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         raise TrainingFailed(_first_line(exc)) from exc
     if result.error is not None:
         raise TrainingFailed(_first_line(result.error))
+    ended = result.return_value or {}
+    if ended.get("stopped") == "nan":
+        from rayjobs.checkpoint import latest_complete
+
+        good = latest_complete(run_dir, warn=False)
+        ranks = ", ".join(map(str, ended["ranks"]))
+        raise TrainingFailed(
+            f"non-finite loss at step {ended['step']} on rank(s) {ranks}; every rank "
+            f"stopped at that step; last good checkpoint: {good.path if good else 'none'}. Try a lower optim.lr, "
+            f"optim.grad_clip, or training.nan_policy=skip"
+        )
     metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
     return {
         "run_name": cfg.run.name,

@@ -7,6 +7,7 @@ the tolerance (1e-10) is tight enough that any error in loss normalization or ac
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -80,3 +81,38 @@ def test_ddp_two_processes_match_one_process_on_the_global_batch(name: str, tmp_
     torch.manual_seed(0)
     initial = build_model(name, "debug", {}, CASES[name][0]).double()
     assert any(not torch.equal(initial.state_dict()[k], reference[k]) for k in reference)  # it trained
+
+
+def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
+    from rayjobs.checkpoint import Saver, TrainState
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        ctx = WorkerContext.from_process_group()
+        info, optim = CASES["gpt"]
+        cfg = from_dict({"optim": optim})
+        torch.manual_seed(0)
+        model = wrap_data_parallel(build_model("gpt", "debug", {}, info), ctx)
+        opt = loop.build_optimizer(model, cfg)
+        sched = loop.build_scheduler(opt, cfg, 10)
+        saver = Saver(root, ctx, {}, keep_last=2, async_save=True)
+        for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
+            per = GLOBAL_BATCH // world
+            loop.train_step(
+                model, [(x[rank * per : (rank + 1) * per].long(), y[rank * per : (rank + 1) * per])], opt, cfg, ctx
+            )
+            saver.save(step, model, opt, sched, None, TrainState(step=step))  # DDP keeps running meanwhile
+        saver.wait()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_async_checkpoints_from_two_ranks_commit_while_ddp_trains(tmp_path):
+    from conftest import free_port
+
+    from rayjobs import checkpoint as ckpt
+
+    mp.spawn(_async_saver_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    infos = ckpt.list_checkpoints(tmp_path)
+    assert [c.step for c in infos] == [2, 3] and all(c.complete for c in infos), infos
+    assert {p.name for p in Path(infos[-1].path).glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}

@@ -73,3 +73,53 @@ def test_a_client_without_the_token_is_refused(ray_head):
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(f"{ray_head.address}/api/jobs/", timeout=30)
     assert info.value.code == 401
+
+
+def test_driver_killed_then_the_same_command_resumes(ray_head, tmp_path):
+    """The driver dies (SIGKILL) mid-run; the same command again continues from the latest checkpoint."""
+    import signal
+    import sys
+    import time
+
+    from rayjobs import checkpoint as ckpt
+
+    env = {**ray_head.env, "RAY_ADDRESS": f"127.0.0.1:{ray_head.gcs_port}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "rayjobs.train",
+        "--set",
+        "training.epochs=3",
+        "--set",
+        "checkpoint.every_steps=5",
+        "--set",
+        "run.name=driverkill",
+        "--set",
+        f"run.storage_path={tmp_path}",
+        "--set",
+        "scaling.num_workers=2",
+    ]
+    run_dir = tmp_path / "driverkill"
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        latest = ckpt.latest_complete(run_dir, warn=False)
+        if latest is not None and latest.step >= 10:
+            break
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(0.2)
+    else:
+        pytest.fail("no checkpoint within 180 s")
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+    killed_at = ckpt.latest_complete(run_dir, warn=False).step
+    assert killed_at < 3 * (1257 // 64)
+
+    second = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    resumed = [line for line in out.splitlines() if "resumed from" in line]
+    assert resumed, out[-3000:]
+    step = int(resumed[0].split(" at step ")[1].split()[0])
+    assert step >= killed_at >= 10
+    assert "rayjobs: run driverkill finished" in out

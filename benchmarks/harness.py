@@ -1,0 +1,174 @@
+"""The benchmarks harness: run the selected benchmarks, print a table, write JSON and a PNG chart.
+
+Every figure is a ratio measured side by side in one run, with the goal it is held to.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Figure:
+    """One measured figure: ``<benchmark>.<name>``, its value, and the goal it is held to."""
+
+    key: str
+    value: float
+    goal: str = ""  # e.g. "<= 1.02", ">= 0.85"; empty: informational
+    unit: str = ""
+    note: str = ""
+    ratio: bool = True  # a unitless ratio (drawn on the chart)
+
+    @property
+    def met(self) -> bool | None:
+        """Whether the value meets the goal (None when there is no goal)."""
+        if not self.goal:
+            return None
+        op, target = self.goal.split()
+        return self.value <= float(target) if op == "<=" else self.value >= float(target)
+
+
+@dataclass
+class Benchmark:
+    """A benchmark: what it runs, what it compares, and the function that measures it."""
+
+    name: str
+    workload: str
+    compares: str
+    run: Callable[[bool], list[Figure]]
+    needs: str = ""  # "cuda" for GPU-only benchmarks
+    figures: list[Figure] = field(default_factory=list)
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+
+
+def register(bench: Benchmark) -> Benchmark:
+    """Add a benchmark to the harness."""
+    BENCHMARKS[bench.name] = bench
+    return bench
+
+
+def load_all() -> dict[str, Benchmark]:
+    """Import every benchmark module (each registers itself)."""
+    from benchmarks import checkpointing, compute, gpu, orchestration, overhead, scaling  # noqa: F401
+
+    return BENCHMARKS
+
+
+def machine() -> dict[str, Any]:
+    """The hardware and software a run was measured on."""
+    import torch
+
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    try:
+        import ray
+
+        info["ray"] = ray.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def run(names: list[str], quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the named benchmarks (all when empty) and return {machine, quick, figures, benchmarks}."""
+    import torch
+
+    benches = load_all()
+    unknown = [n for n in names if n not in benches]
+    if unknown:
+        raise KeyError(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(benches)}")
+    selected = [benches[n] for n in (names or benches)]
+    results: dict[str, Any] = {"machine": machine(), "quick": quick, "figures": {}, "benchmarks": {}}
+    for bench in selected:
+        if bench.needs == "cuda" and not torch.cuda.is_available():
+            log(f"bench: {bench.name}: skipped (needs CUDA)")
+            results["benchmarks"][bench.name] = {"skipped": "needs CUDA"}
+            continue
+        log(f"bench: {bench.name}: {bench.workload}")
+        t0 = time.time()
+        figures = bench.run(quick)
+        results["benchmarks"][bench.name] = {
+            "workload": bench.workload,
+            "compares": bench.compares,
+            "seconds": round(time.time() - t0, 1),
+        }
+        for fig in figures:
+            results["figures"][fig.key] = {**asdict(fig), "met": fig.met}
+    return results
+
+
+def format_table(results: dict[str, Any]) -> str:
+    """The results as a Markdown table: figure, value, goal, met."""
+    rows = ["| figure | value | goal | met | note |", "|---|---|---|---|---|"]
+    for key, f in results["figures"].items():
+        value = f"{f['value']:.3g}" if math.isfinite(f["value"]) else str(f["value"])
+        met = {True: "yes", False: "no", None: ""}[f["met"]]
+        rows.append(
+            f"| `{key}` | {value}{(' ' + f['unit']) if f['unit'] else ''} | {f['goal']} | {met} | {f['note']} |"
+        )
+    m = results["machine"]
+    rows.append("")
+    rows.append(
+        f"Measured {m['date']} on {m['cores']} cores ({m['cpu']}), GPU: {m['gpu'] or 'none'}, "
+        f"torch {m['torch']}, ray {m.get('ray', '?')}{', quick mode' if results['quick'] else ''}."
+    )
+    return "\n".join(rows)
+
+
+def write_json(results: dict[str, Any], path: str) -> None:
+    """Write the results as JSON (figures keyed ``<benchmark>.<figure>``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2, sort_keys=True))
+
+
+def draw_chart(results: dict[str, Any], path: str) -> None:
+    """A horizontal bar per ratio figure, with its goal marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = [(k, f) for k, f in results["figures"].items() if f["ratio"]]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(figs) + 1.2))
+    for i, (_key, f) in enumerate(figs):
+        colour = {True: "tab:green", False: "tab:red", None: "tab:gray"}[f["met"]]
+        ax.barh(i, f["value"], color=colour)
+        if f["goal"]:
+            target = float(f["goal"].split()[1])
+            ax.plot([target, target], [i - 0.4, i + 0.4], color="black", linewidth=2)
+    ax.set_yticks(range(len(figs)), [k for k, _ in figs])
+    ax.invert_yaxis()
+    ax.set_xlabel("ratio (black tick: goal; green: met, red: not met)")
+    ax.set_title(f"rayjobs benchmarks, {results['machine']['date']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def subprocess_env(threads: int = 1) -> dict[str, str]:
+    """Environment for a launched workload: the repo importable, ``threads`` BLAS threads."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env

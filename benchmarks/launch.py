@@ -1,0 +1,70 @@
+"""Launch the shared workload under torchrun or under Ray Train in a fresh process, and time it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import REPO, subprocess_env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
+    started = time.time()
+    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stdout + proc.stderr)[-2000:]
+        raise RuntimeError(f"workload failed ({' '.join(cmd[:4])} ...):\n{tail}")
+    record = json.loads(out.read_text())
+    record["launch_to_first_step_s"] = record["first_step_at"] - started
+    return record
+
+
+def torchrun(spec: dict[str, Any], nproc: int, timeout: float = 600) -> dict[str, Any]:
+    """The workload under ``torchrun --nproc-per-node nproc`` (gloo, one thread per process)."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "out.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1",
+            f"--master-port={_free_port()}",
+            "-m",
+            "benchmarks.workload",
+            "--spec",
+            json.dumps(spec),
+            "--out",
+            str(out),
+        ]
+        return _launch(cmd, out, timeout)
+
+
+def ray_train(spec: dict[str, Any], workers: int, timeout: float = 600) -> dict[str, Any]:
+    """The workload under rayjobs' launcher: a fresh local Ray and a TorchTrainer with ``workers``."""
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "out.json"
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.workload",
+            "--ray",
+            str(workers),
+            "--spec",
+            json.dumps(spec),
+            "--out",
+            str(out),
+        ]
+        return _launch(cmd, out, timeout)

@@ -1,0 +1,125 @@
+"""The identical training loop that the benchmarks run under torchrun, under Ray Train, and alone.
+
+    torchrun --nproc-per-node 2 -m benchmarks.workload --spec '{"steps": 20}' --out /tmp/torchrun.json
+    python -m benchmarks.workload --ray 2 --spec '{"steps": 20}' --out /tmp/ray.json
+
+The loop is rayjobs' own ``train_step`` on a DDP-wrapped model with in-memory synthetic data, so
+the only difference between the two launchers is the launcher. Rank 0 writes a JSON record with
+the wall-clock time of the first optimizer step (``first_step_at``) and every step's duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+
+# A transformer small enough for 1 CPU thread (~0.1 s a step), big enough that a step is mostly compute.
+DEFAULT_SPEC: dict[str, Any] = {
+    "model": "gpt",
+    "flavor": "debug",
+    "model_kwargs": {"dim": 128, "n_layers": 4, "n_heads": 4},
+    "seq_len": 64,
+    "vocab_size": 256,
+    "per_rank_batch": 8,
+    "warmup": 3,
+    "steps": 20,
+    "threads": 1,
+}
+
+
+def run_loop(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
+    """Build the model, wrap it in DDP, run warmup + measured steps; return this rank's timings."""
+    from models import DataInfo, build_model
+    from rayjobs.config import from_dict
+    from rayjobs.loop import build_optimizer, train_step
+    from rayjobs.parallel import wrap_data_parallel
+
+    spec = {**DEFAULT_SPEC, **spec}
+    torch.set_num_threads(spec["threads"])
+    info = DataInfo("tokens", (spec["seq_len"],), spec["vocab_size"])
+    cfg = from_dict({"optim": {"name": "adamw", "lr": 1e-3}})
+    torch.manual_seed(0)
+    model = wrap_data_parallel(build_model(spec["model"], spec["flavor"], spec["model_kwargs"], info), ctx)
+    opt = build_optimizer(model, cfg)
+    g = torch.Generator().manual_seed(ctx.rank)
+    batch = spec["per_rank_batch"]
+    x = torch.randint(0, spec["vocab_size"], (batch, spec["seq_len"]), generator=g)
+    y = torch.roll(x, -1, dims=1)
+    first_step_at, times = None, []
+    for i in range(spec["warmup"] + spec["steps"]):
+        t0 = time.perf_counter()
+        train_step(model, [(x, y)], opt, cfg, ctx)
+        if first_step_at is None:
+            first_step_at = time.time()
+        if i >= spec["warmup"]:
+            times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {
+        "first_step_at": first_step_at,
+        "step_times": times,
+        "median_step_s": median,
+        "world_size": ctx.world_size,
+        "samples_per_s": batch * ctx.world_size / median,
+    }
+
+
+def _ray_worker(config: dict[str, Any]) -> dict[str, Any]:
+    from rayjobs.parallel import current_context
+
+    return run_loop(config["spec"], current_context(use_gpu=False))
+
+
+def run_under_ray(spec: dict[str, Any], workers: int) -> dict[str, Any]:
+    """rayjobs' launcher: a local Ray and a TorchTrainer with ``workers`` CPU workers."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
+    trainer = TorchTrainer(
+        _ray_worker,
+        train_loop_config={"spec": spec},
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=f"bench-{os.getpid()}", storage_path=os.path.abspath(".bench/ray")),
+    )
+    fit_started = time.time()
+    record = trainer.fit().return_value
+    record["fit_to_first_step_s"] = record["first_step_at"] - fit_started
+    return record
+
+
+def main() -> None:
+    """Entry for torchrun (``--ray 0``) or for a Ray launch (``--ray N``)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", default="{}")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ray", type=int, default=0, help="launch N Ray Train workers instead of torchrun's")
+    args = parser.parse_args()
+    spec = json.loads(args.spec)
+    if args.ray:
+        record = run_under_ray(spec, args.ray)
+    else:
+        import torch.distributed as dist
+
+        from rayjobs.parallel import WorkerContext
+
+        if "RANK" in os.environ:
+            dist.init_process_group("gloo")
+        record = run_loop(spec, WorkerContext.from_process_group())
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if int(os.environ.get("RANK", "0")) != 0:
+            return
+    with open(args.out, "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""`rayjobs bench --quick` produces every figure, finite, with its goal, a JSON file and a chart."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, subprocess_env
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+EXPECTED = {
+    "orchestration.step_time_ratio",
+    "orchestration.launch_ratio_cold",
+    "orchestration.launch_ratio_warm",
+    "scaling.weak_efficiency_2w",
+    "compute.mfu_cpu_gpt_small",
+    "overhead.loop_throughput_ratio",
+    "checkpoint.async_blocked_fraction_gpt_small",
+}
+
+
+def test_quick_bench_produces_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayjobs", "bench", "--quick", "--json", str(out)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    results = json.loads(out.read_text())
+    figures = results["figures"]
+    assert EXPECTED <= set(figures), set(figures)
+    for key in EXPECTED:
+        f = figures[key]
+        assert math.isfinite(f["value"]) and f["value"] > 0, (key, f)
+        assert f["goal"] and f["met"] in (True, False)
+    assert "| `orchestration.step_time_ratio` |" in proc.stdout
+    assert out.with_suffix(".png").stat().st_size > 5000
+    assert results["benchmarks"]["gpu"] == {"skipped": "needs CUDA"} or "gpu.mfu_bf16_gpt_medium" in figures
+
+
+def test_unknown_benchmark_is_a_one_line_error():
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayjobs", "bench", "nosuch"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("rayjobs: error: bench: unknown benchmark(s) nosuch; known: ")

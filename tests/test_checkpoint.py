@@ -1,0 +1,221 @@
+"""Checkpoints in one process (local mode): exact resume, integrity, storage errors, export, listing.
+
+The Ray variants (a worker killed hard, 2 workers -> 1, NaN on one rank) are in test_ray_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, subprocess_env
+
+from rayjobs import checkpoint as ckpt
+from rayjobs import train
+from rayjobs.config import load_config
+from rayjobs.errors import TrainingFailed
+
+BASE = [
+    "scaling.num_workers=0",
+    "training.epochs=3",
+    "training.batch_size=32",
+    "training.eval_every=15",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep_last=3",
+]
+STEPS = 3 * (1257 // 32)  # 117
+
+
+def cfg_for(tmp_path: Path, name: str, *extra: str):
+    return load_config(None, [*BASE, f"run.storage_path={tmp_path}", f"run.name={name}", *extra])
+
+
+def weights(path: str) -> dict[str, torch.Tensor]:
+    out = Path(path).parent / (Path(path).name + ".pt")
+    ckpt.export_weights(path, out)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same config, never interrupted."""
+    root = tmp_path_factory.mktemp("ref")
+    summary = train.run(cfg_for(root, "ref"))
+    return summary
+
+
+def test_final_checkpoint_is_named_in_the_summary(uninterrupted):
+    path = uninterrupted["checkpoint"]
+    assert Path(path).name == ckpt.name_for(STEPS)
+    assert ckpt.verify(path) == ""
+    state = json.loads((Path(path) / "state.json").read_text())
+    assert state["step"] == STEPS and state["world_size"] == 1
+    assert state["config"]["model"]["name"] == "digits_cnn"
+    kept = [c.step for c in ckpt.list_checkpoints(Path(path).parent)]
+    assert kept == [100, 110, STEPS]  # keep_last=3
+
+
+def test_rerun_after_a_crash_resumes_bit_identical(tmp_path, uninterrupted):
+    """Crash mid-epoch (step 53 of 117, epoch 2), re-run the same run.name: the same parameters, bit for bit."""
+    with pytest.raises(TrainingFailed, match="raise_at_step=53"):
+        train.run(cfg_for(tmp_path, "crashy", "faults.raise_at_step=53"))
+    assert ckpt.latest_complete(tmp_path / "crashy").step == 50
+    summary = train.run(cfg_for(tmp_path, "crashy", "faults.raise_at_step=53"))
+    resumed, reference = weights(summary["checkpoint"]), weights(uninterrupted["checkpoint"])
+    assert resumed.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key
+    # The reports after the resume point match the uninterrupted run's exactly.
+    ref_hist = {h["step"]: h for h in train.read_history(uninterrupted["history"])}
+    new_hist = {h["step"]: h for h in train.read_history(summary["history"])}
+    for step in (60, 75, 90, 105):
+        assert new_hist[step]["train/loss"] == ref_hist[step]["train/loss"], step
+        assert new_hist[step]["val/loss"] == ref_hist[step]["val/loss"], step
+    assert summary["metrics"]["test/accuracy"] == uninterrupted["metrics"]["test/accuracy"]
+
+
+def test_async_checkpoints_resume_bit_identical_too(tmp_path, uninterrupted):
+    with pytest.raises(TrainingFailed):
+        train.run(cfg_for(tmp_path, "async", "checkpoint.async=true", "faults.raise_at_step=53"))
+    assert ckpt.latest_complete(tmp_path / "async").step == 50
+    summary = train.run(cfg_for(tmp_path, "async", "checkpoint.async=true", "faults.raise_at_step=53"))
+    for key, value in weights(uninterrupted["checkpoint"]).items():
+        assert torch.equal(weights(summary["checkpoint"])[key], value), key
+    assert summary["metrics"]["checkpoint/blocked_s"] > 0
+
+
+def test_a_finished_run_rerun_does_not_train_again(tmp_path):
+    first = train.run(cfg_for(tmp_path, "done", "training.epochs=1"))
+    again = train.run(cfg_for(tmp_path, "done", "training.epochs=1"))
+    assert again["checkpoint"] == first["checkpoint"]
+    assert again["metrics"]["test/accuracy"] == first["metrics"]["test/accuracy"]
+
+
+def test_a_corrupt_latest_checkpoint_is_skipped_with_a_warning(tmp_path, capfd):
+    with pytest.raises(TrainingFailed):
+        train.run(cfg_for(tmp_path, "corrupt", "faults.raise_at_step=35"))
+    summary = train.run(
+        cfg_for(tmp_path, "corrupt", "faults.raise_at_step=35", "faults.corrupt_latest_checkpoint=true")
+    )
+    out = capfd.readouterr().out
+    bad = tmp_path / "corrupt" / ckpt.name_for(30)
+    assert f"warning: skipping checkpoint {bad}: sha256 mismatch" in out
+    assert f"resumed from {tmp_path / 'corrupt' / ckpt.name_for(20)} at step 20" in out
+    assert summary["metrics"]["step"] == STEPS
+
+
+def test_no_manifest_means_incomplete(tmp_path):
+    with pytest.raises(TrainingFailed):
+        train.run(cfg_for(tmp_path, "partial", "faults.raise_at_step=25"))
+    latest = tmp_path / "partial" / ckpt.name_for(20)
+    (latest / ckpt.MANIFEST).unlink()
+    assert ckpt.verify(latest) == "no manifest (the save did not finish)"
+    assert ckpt.latest_complete(tmp_path / "partial").step == 10
+
+
+def test_resume_from_an_explicit_checkpoint_and_a_bad_one(tmp_path, uninterrupted):
+    source = str(Path(uninterrupted["checkpoint"]).parent / ckpt.name_for(100))
+    summary = train.run(cfg_for(tmp_path, "forked", f"checkpoint.resume_from={source}"))
+    assert summary["metrics"]["step"] == STEPS
+    for key, value in weights(uninterrupted["checkpoint"]).items():
+        assert torch.equal(weights(summary["checkpoint"])[key], value)
+    from rayjobs.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint.resume_from: no checkpoint directory at"):
+        train.run(cfg_for(tmp_path, "x", f"checkpoint.resume_from={tmp_path}/nope"))
+
+
+def test_read_only_storage_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
+    """Real read-only storage: the run directory made immutable (chattr +i) after the first checkpoint."""
+    if subprocess.run(["which", "chattr"], capture_output=True).returncode != 0:
+        pytest.skip("chattr is not available")
+    run_dir = tmp_path / "ro"
+    first = run_dir / ckpt.name_for(20)
+    stop = threading.Event()
+
+    def freeze() -> None:
+        while not stop.is_set():
+            if (first / ckpt.MANIFEST).exists():
+                subprocess.run(["chattr", "+i", str(run_dir)], check=True)
+                return
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=freeze)
+    watcher.start()
+    try:
+        with pytest.raises(TrainingFailed) as info:
+            train.run(
+                cfg_for(
+                    tmp_path, "ro", "checkpoint.every_steps=20", "checkpoint.every_epochs=0", "model.kwargs.width=64"
+                )
+            )
+    finally:
+        stop.set()
+        watcher.join()
+        subprocess.run(["chattr", "-i", str(run_dir)], check=False)
+    message = str(info.value)
+    assert f"not saved to {run_dir / ckpt.name_for(40)}" in message
+    assert "Operation not permitted" in message or "Permission" in message
+    assert f"the previous checkpoint {first} is intact" in message
+    assert ckpt.verify(first) == ""
+    assert weights(str(first))  # it loads
+
+
+def test_nan_skip_policy_skips_the_step_and_finishes(tmp_path, capfd):
+    summary = train.run(cfg_for(tmp_path, "nanskip", "faults.nan_at_step=12", "training.nan_policy=skip"))
+    assert summary["metrics"]["step"] == STEPS and summary["metrics"]["test/accuracy"] > 0.9
+    assert "step 12: non-finite loss on rank(s) [0]; step skipped" in capfd.readouterr().out
+
+
+def test_nan_stop_policy_fails_naming_the_step(tmp_path):
+    with pytest.raises(TrainingFailed, match=r"non-finite loss at step 12 on rank\(s\) 0; every rank stopped"):
+        train.run(cfg_for(tmp_path, "nanstop", "faults.nan_at_step=12"))
+    assert ckpt.latest_complete(tmp_path / "nanstop").step == 10  # the NaN state was never saved
+
+
+def test_cli_lists_and_exports(tmp_path, uninterrupted):
+    run_dir = str(Path(uninterrupted["checkpoint"]).parent)
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayjobs", "checkpoints", run_dir],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["100", "110", str(STEPS)] and all(r[1] == "complete" for r in rows)
+    for suffix in (".pt", ".safetensors"):
+        out = tmp_path / f"weights{suffix}"
+        proc = subprocess.run(
+            [sys.executable, "-m", "rayjobs", "export", uninterrupted["checkpoint"], "--out", str(out)],
+            cwd=REPO,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        if suffix == ".pt":
+            loaded = torch.load(out, weights_only=True)
+        else:
+            from safetensors.torch import load_file
+
+            loaded = load_file(str(out))
+        assert "head.4.weight" in loaded and loaded["head.4.weight"].shape == (10, 128)
+    bad = subprocess.run(
+        [sys.executable, "-m", "rayjobs", "export", str(tmp_path), "--out", str(tmp_path / "w.pt")],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "no manifest" in bad.stderr and "Traceback" not in bad.stderr

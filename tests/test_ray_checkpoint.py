@@ -1,0 +1,95 @@
+"""Checkpoints under Ray Train with 2 workers: a worker killed hard resumes bit-identical; 2 -> 1 workers; NaN."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rayjobs import checkpoint as ckpt
+from rayjobs import train
+from rayjobs.config import load_config
+from rayjobs.errors import TrainingFailed
+
+pytestmark = pytest.mark.ray
+
+BASE = [
+    "scaling.num_workers=2",
+    "training.epochs=2",
+    "training.eval_every=10",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep_last=5",
+]
+STEPS = 2 * (1257 // 64)  # 38
+
+
+def cfg_for(root: Path, name: str, *extra: str):
+    return load_config(None, [*BASE, f"run.storage_path={root}", f"run.name={name}", *extra])
+
+
+def weights(path: str) -> dict[str, torch.Tensor]:
+    out = Path(path).parent / (Path(path).name + ".pt")
+    ckpt.export_weights(path, out)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def runs(ray_cluster, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ray-ckpt")
+    reference = train.run(cfg_for(root, "reference"))
+    # Rank 1 dies hard (SIGKILL) at step 25, inside epoch 2; Ray Train restarts the worker group.
+    killed = train.run(
+        cfg_for(root, "killed", "faults.kill_rank=1", "faults.kill_at_step=25", "failure.max_failures=1")
+    )
+    return root, reference, killed
+
+
+def test_worker_killed_hard_resumes_bit_identical(runs):
+    root, reference, killed = runs
+    assert (root / "killed" / ".faults" / "kill_rank1_step25").exists()  # the fault did fire
+    assert killed["metrics"]["step"] == reference["metrics"]["step"] == STEPS
+    a, b = weights(reference["checkpoint"]), weights(killed["checkpoint"])
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    ref = {h["step"]: h for h in train.read_history(reference["history"])}
+    new = {h["step"]: h for h in train.read_history(killed["history"])}
+    for step in (30, STEPS):  # reports after the resume point (step 20)
+        assert new[step]["train/loss"] == ref[step]["train/loss"] and new[step]["val/loss"] == ref[step]["val/loss"]
+
+
+def test_two_worker_checkpoint_resumes_on_one_worker(runs, tmp_path, capfd):
+    root, reference, _ = runs
+    source = root / "reference" / ckpt.name_for(20)
+    summary = train.run(
+        load_config(
+            None,
+            [
+                "scaling.num_workers=0",
+                "training.epochs=2",
+                f"run.storage_path={tmp_path}",
+                "run.name=one",
+                f"checkpoint.resume_from={source}",
+            ],
+        )
+    )
+    out = capfd.readouterr().out
+    assert f"resumed from {source} at step 20" in out
+    assert (
+        "written by 2 worker(s), this run has 1: DCP resharded the model and optimizer; the global batch stays 64"
+        in out
+    )
+    assert summary["metrics"]["step"] == STEPS
+    assert summary["metrics"]["test/accuracy"] > 0.9
+
+
+def test_nan_on_one_rank_stops_every_rank_at_that_step(ray_cluster, tmp_path):
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed) as info:
+        train.run(cfg_for(tmp_path, "nan", "faults.nan_rank=1", "faults.nan_at_step=7"))
+    assert time.monotonic() - started < 120
+    message = str(info.value)
+    assert "non-finite loss at step 7 on rank(s) 1; every rank stopped at that step" in message
+    assert ckpt.latest_complete(tmp_path / "nan") is None  # nothing after the NaN was saved
