@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
     )
 
+    ui = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1 over this project's tracking store")
+    ui.add_argument("--storage-path", default="results", help="the run.storage_path whose mlflow.db to serve")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument(
+        "--auth", action="store_true", help="basic auth; admin from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD"
+    )
+
     bench = sub.add_parser("bench", help="run the side-by-side benchmarks (ratios, with goals)")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
@@ -64,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
             _checkpoints(args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "ui":
+            from rayjobs.mlflow_server import serve
+
+            serve(args.storage_path, args.port, args.auth)
     except ConfigError as exc:
         for problem in exc.problems:
             print(f"rayjobs: error: {problem}", file=sys.stderr)

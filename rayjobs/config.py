@@ -182,6 +182,26 @@ class FaultsSection(Section):
     corrupt_latest_checkpoint: bool = Field(False, description="Corrupt the newest checkpoint before resuming, once.")
 
 
+class TrackingSection(Section):
+    enabled: bool = Field(True, description="Record the run in MLflow.")
+    uri: str = Field("", description="MLflow tracking URI (http://... for a server); empty: sqlite beside the results.")
+    experiment: str = Field("rayjobs", description="MLflow experiment name.")
+    run_name: str = Field("", description="MLflow run name; empty: run.name.")
+    tags: dict[str, str] = Field(default_factory=dict, description="Extra tags on the MLflow run.")
+    log_every: int = Field(10, ge=1, description="Log per-step train metrics every N optimizer steps.")
+    log_checkpoints: Literal["none", "best", "last", "all"] = Field(
+        "last", description="Which checkpoints to upload as artifacts at the end."
+    )
+    register_as: str = Field("", description="Register the final model under this Model Registry name; empty: don't.")
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, v: str) -> str:
+        if v and not v.startswith(("http://", "https://", "sqlite:///", "file:/", "databricks")):
+            raise ValueError(f"must be http(s)://HOST:PORT, sqlite:///ABS/PATH.db or file:/ABS/PATH, got {v!r}")
+        return v
+
+
 class FailureSection(Section):
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts allowed; -1 = unlimited.")
 
@@ -196,6 +216,7 @@ class RunConfig(Section):
     training: TrainingSection = Field(default_factory=TrainingSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    tracking: TrackingSection = Field(default_factory=TrackingSection)
     failure: FailureSection = Field(default_factory=FailureSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
 

@@ -98,8 +98,11 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             f"{cfg.training.batch_size}; {total_steps} steps" + (f"; from step {state.step}" if resumed_from else "")
         )
 
+    mlflow_log = start_metrics_logger(cfg, ctx, resolved)
+    tokens_per_sample = splits.info.input_shape[0] if splits.info.kind == "tokens" else 0
+
     # 4. Loop: accumulate micro-batches, step, evaluate/checkpoint/report at their boundaries.
-    train_time, saved_at_step = 0.0, state.step if resumed_from else -1
+    train_time, saved_at_step, step_metrics = 0.0, state.step if resumed_from else -1, {}
     while state.step < total_steps:
         if state.step_in_epoch >= steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
@@ -121,7 +124,9 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
                 state.loss_sum, state.loss_count = state.loss_sum + result.loss, state.loss_count + 1
             elif ctx.is_main:
                 log(f"step {state.step}: non-finite loss on rank(s) {result.bad_ranks}; step skipped (nan_policy=skip)")
-            train_time += time.perf_counter() - t0
+            step_time = time.perf_counter() - t0
+            train_time += step_time
+            step_metrics = per_step_metrics(cfg, state.step, result, scheduler, step_time, tokens_per_sample)
             if ctx.is_main and state.step % cfg.training.log_every == 0:
                 log(
                     f"step {state.step}/{total_steps} epoch {state.epoch + 1} loss {result.loss:.4f} "
@@ -140,12 +145,15 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             )
             if do_eval:
                 state.metrics = summarize(state, scheduler, result.grad_norm, train_time, ctx, model, splits.val, cfg)
+                step_metrics.update(state.metrics)
             if do_save:
                 path = saver.save(state.step, model, optimizer, scheduler, scaler, state)
                 saved_at_step = state.step
             if do_eval or do_save:  # a checkpoint-only report carries no stale eval metrics
                 shown = state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}
                 report(shown, path if do_save else None, resolved)
+            if mlflow_log is not None:
+                mlflow_log.log(step_metrics, state.step)
             preemption.exit_if_requested(ctx)
 
     # 6. Final: test metrics, a checkpoint of the final state (always), one last report.
@@ -159,6 +167,10 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     else:
         final = saver.save(state.step, model, optimizer, scheduler, scaler, state, force_sync=True)
     state.metrics["checkpoint/blocked_s"] = sum(saver.blocked_s) / max(1, len(saver.blocked_s))
+    if mlflow_log is not None:
+        mlflow_log.log({**step_metrics, **state.metrics}, state.step)
+        if not mlflow_log.close(timeout=30):
+            log(f"MLflow unreachable at the end: metrics stay spooled in {mlflow_log.spool}; the driver retries")
     report(state.metrics, final, resolved)
     return {"stopped": "done", "step": state.step}
 
@@ -203,7 +215,57 @@ def summarize(
         "train/grad_norm": grad_norm,
         "train/samples_per_s": state.samples / max(train_time, 1e-9),
         **evaluate(model, val, cfg, ctx, prefix="val"),
+        **memory_metrics(ctx),
     }
+
+
+def per_step_metrics(
+    cfg: RunConfig, step: int, result: StepResult, scheduler: Any, step_time: float, tokens_per_sample: int
+) -> dict[str, float]:
+    """What MLflow gets every ``tracking.log_every`` steps (nothing on the other steps)."""
+    if step % cfg.tracking.log_every:
+        return {}
+    out = {
+        "train/step_loss": result.loss,
+        "train/lr": scheduler.get_last_lr()[0],
+        "train/grad_norm": result.grad_norm,
+        "perf/step_time_s": step_time,
+        "perf/samples_per_s": cfg.training.batch_size / step_time,
+    }
+    if tokens_per_sample:
+        out["perf/tokens_per_s"] = cfg.training.batch_size * tokens_per_sample / step_time
+    return out
+
+
+def memory_metrics(ctx: WorkerContext) -> dict[str, float]:
+    """Every rank's peak memory (CPU RSS; GPU allocated and reserved), gathered on all ranks."""
+    import psutil
+
+    gib = 2**30
+    mine = [psutil.Process().memory_info().rss / gib, 0.0, 0.0]
+    if ctx.device.type == "cuda":
+        mine[1] = torch.cuda.max_memory_allocated(ctx.device) / gib
+        mine[2] = torch.cuda.max_memory_reserved(ctx.device) / gib
+    table = [0.0] * (3 * ctx.world_size)
+    table[3 * ctx.rank : 3 * ctx.rank + 3] = mine
+    table = all_reduce_sum(table, ctx)
+    out = {}
+    for r in range(ctx.world_size):
+        out[f"memory/rank{r}/cpu_rss_gib"] = table[3 * r]
+        if ctx.device.type == "cuda":
+            out[f"memory/rank{r}/gpu_peak_allocated_gib"] = table[3 * r + 1]
+            out[f"memory/rank{r}/gpu_peak_reserved_gib"] = table[3 * r + 2]
+    return out
+
+
+def start_metrics_logger(cfg: RunConfig, ctx: WorkerContext, resolved: dict[str, Any]) -> Any:
+    """Rank 0's MLflow logger for the run the driver made (None on other ranks or without tracking)."""
+    info = resolved.get("mlflow")
+    if not ctx.is_main or not cfg.tracking.enabled or not info:
+        return None
+    from rayjobs.tracking import MetricsLogger
+
+    return MetricsLogger(cfg, info.get("run_id"), info["run_key"], info["spool"])
 
 
 def resume(

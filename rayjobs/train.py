@@ -173,12 +173,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
         init_ray(plan)
+    mlflow_run_id = start_tracking(cfg, plan) if cfg.tracking.enabled else None
     loop_config = cfg.model_dump(mode="json")
     loop_config["_resolved"] = {
         "use_gpu": plan.use_gpu,
         "cpus_per_worker": plan.resources_per_worker.get("CPU", 1.0),
         "local_mode": local_mode,
         "local_history_path": history_path if local_mode else None,
+        "mlflow": {"run_id": mlflow_run_id, "run_key": run_dir, "spool": os.path.join(run_dir, ".mlflow-spool.jsonl")},
     }
     trainer = TorchTrainer(
         train_fn_per_worker,
@@ -194,14 +196,16 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
             callbacks=[] if local_mode else [_history_callback(history_path)],
+            worker_runtime_env=worker_runtime_env(cfg),
         ),
     )
     try:
         result = trainer.fit()
+        if result.error is not None:
+            raise result.error
     except Exception as exc:  # TrainingFailedError and friends: the training itself failed
+        finish_tracking(cfg, mlflow_run_id, None, failed=True)
         raise TrainingFailed(_first_line(exc)) from exc
-    if result.error is not None:
-        raise TrainingFailed(_first_line(result.error))
     ended = result.return_value or {}
     if ended.get("stopped") == "nan":
         from rayjobs.checkpoint import latest_complete
@@ -214,7 +218,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             f"optim.grad_clip, or training.nan_policy=skip"
         )
     metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
-    return {
+    summary = {
         "run_name": cfg.run.name,
         "storage_path": run_dir,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
@@ -226,6 +230,69 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "metrics": metrics,
         "history": history_path,
     }
+    if cfg.tracking.enabled:
+        summary["mlflow_run_id"] = finish_tracking(cfg, mlflow_run_id, summary)
+    return summary
+
+
+def worker_runtime_env(cfg: RunConfig) -> dict[str, Any]:
+    """What the workers' environment needs: the MLflow URI and credentials."""
+    if not cfg.tracking.enabled:
+        return {}
+    from rayjobs.tracking import worker_env
+
+    return {"env_vars": worker_env(cfg)}
+
+
+def start_tracking(cfg: RunConfig, plan: ScalingPlan) -> str | None:
+    """Find or create the run's MLflow run and log its params and tags; None (one warning) if MLflow is away."""
+    from rayjobs import tracking
+
+    try:
+        nodes = 1
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        tags = tracking.run_tags(cfg, plan.world_size, "gpu" if plan.use_gpu else "cpu", nodes)
+        run_id = tracking.find_or_create_run(cfg, cfg.run_dir, tags)
+        tracking.log_params_once(tracking.tracking_uri(cfg), run_id, tracking.flatten(cfg.model_dump(mode="json")))
+        return run_id
+    except Exception as exc:  # noqa: BLE001 - tracking never stops training
+        print(
+            f"[rayjobs] warning: MLflow at {tracking.tracking_uri(cfg)} is unavailable ({type(exc).__name__}); "
+            "training goes on and rank 0 spools its metrics until it is back",
+            flush=True,
+        )
+        return None
+
+
+def finish_tracking(
+    cfg: RunConfig, run_id: str | None, summary: dict[str, Any] | None, failed: bool = False, wait_s: float = 90.0
+) -> str | None:
+    """Replay anything spooled, log the end-of-run artifacts and model, end the MLflow run."""
+    from rayjobs import tracking
+
+    spool = os.path.join(cfg.run_dir, ".mlflow-spool.jsonl")
+    deadline = time.time() + wait_s
+    while True:
+        try:
+            run_id = run_id or tracking.find_or_create_run(cfg, cfg.run_dir)
+            if os.path.exists(spool) and not tracking.MetricsLogger(cfg, run_id, cfg.run_dir, spool).close(30):
+                raise ConnectionError("spool not replayed")
+            if failed:
+                tracking.client(tracking.tracking_uri(cfg)).set_terminated(run_id, "FAILED")
+            else:
+                tracking.log_final(cfg, run_id, summary or {}, read_history(os.path.join(cfg.run_dir, "metrics.jsonl")))
+            return run_id
+        except Exception as exc:  # noqa: BLE001
+            if failed or time.time() > deadline:
+                print(
+                    f"[rayjobs] warning: could not finish the MLflow run ({type(exc).__name__}: {exc}); "
+                    f"spooled metrics (if any) stay in {spool} for the next run with this run.name",
+                    flush=True,
+                )
+                return run_id
+            time.sleep(3)
 
 
 def _first_line(exc: BaseException) -> str:

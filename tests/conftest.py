@@ -135,3 +135,15 @@ def ray_head(tmp_path_factory):
     head.start()
     yield head
     head.stop()
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real `mlflow server` on 127.0.0.1 (sqlite store) for the tests of one module."""
+    from rayjobs import mlflow_server as server
+
+    store = tmp_path_factory.mktemp("mlflow-store")
+    port = free_port()
+    proc = server.start(str(store), port, log_path=str(store / "server.log"))
+    yield {"uri": f"http://127.0.0.1:{port}", "port": port, "store": store, "proc": proc}
+    server.stop(proc)

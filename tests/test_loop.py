@@ -94,10 +94,10 @@ def test_local_mode_trains_digits_and_loss_goes_down(tmp_path):
     )
     summary = train.run(cfg)
     m = summary["metrics"]
-    assert summary["num_workers"] == 0 and summary["mlflow_run_id"] is None
+    assert summary["num_workers"] == 0 and summary["mlflow_run_id"]
     assert m["step"] == 3 * (1257 // 32)
     assert m["test/accuracy"] > 0.9 and m["train/loss"] < 0.5
-    history = train.read_history(summary["history"])
+    history = [h for h in train.read_history(summary["history"]) if "val/loss" in h]
     assert [h["step"] for h in history] == [*range(10, 111, 10), 117]
     assert history[0]["train/loss"] > history[-1]["train/loss"]
     assert summary["checkpoint"].endswith(f"checkpoint_{m['step']:08d}")

@@ -1,0 +1,121 @@
+"""Start an MLflow server on 127.0.0.1 over a project's tracking store (``rayjobs ui``).
+
+    rayjobs ui [--storage-path results] [--port 5000] [--auth]
+
+With ``--auth`` the server runs MLflow's basic-auth app; the admin account comes from
+MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, the same variables clients log with.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rayjobs.errors import ConfigError
+
+
+def server_command(
+    store_dir: str, port: int, host: str = "127.0.0.1", auth: bool = False
+) -> tuple[list[str], dict[str, str]]:
+    """The ``mlflow server`` command line and environment for a store directory."""
+    store = Path(store_dir).resolve()
+    store.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{store / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(store / "mlartifacts"),
+        "--workers",
+        "1",
+    ]
+    env = dict(os.environ)
+    if auth:
+        user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+        if not user or not password:
+            raise ConfigError(
+                "ui --auth: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (the admin account)"
+            )
+        ini = store / "basic_auth.ini"
+        ini.write_text(
+            "[mlflow]\ndefault_permission = READ\n"
+            f"database_uri = sqlite:///{store / 'basic_auth.db'}\n"
+            f"admin_username = {user}\n"
+            "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+            "auth_cache_ttl_seconds = 60\n"  # one PBKDF2 check per minute per user, not per request
+        )
+        env["MLFLOW_AUTH_CONFIG_PATH"] = str(ini)
+        env["MLFLOW_AUTH_ADMIN_PASSWORD"] = password
+        # CSRF protection needs a stable secret; keep one beside the store (made once, private).
+        secret = store / ".flask_secret"
+        if not secret.exists():
+            import secrets
+
+            secret.write_text(secrets.token_hex(32))
+            secret.chmod(0o600)
+        env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", secret.read_text().strip())
+        cmd += ["--app-name", "basic-auth"]
+    return cmd, env
+
+
+def wait_until_up(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url/health`` until the server answers (any HTTP status counts as up)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"mlflow server exited with status {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise TimeoutError(f"mlflow server at {url} did not answer within {timeout:.0f} s")
+
+
+def start(store_dir: str, port: int, auth: bool = False, log_path: str | None = None) -> subprocess.Popen:
+    """Start the server in the background and wait until it answers."""
+    cmd, env = server_command(store_dir, port, auth=auth)
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_until_up(f"http://127.0.0.1:{port}", proc=proc)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Stop a server started by ``start`` (its whole process group: uvicorn has children)."""
+    import signal
+
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=15)
+
+
+def serve(store_dir: str, port: int, auth: bool) -> None:
+    """``rayjobs ui``: run the server in the foreground until Ctrl-C."""
+    proc = start(store_dir, port, auth=auth)
+    print(f"MLflow UI: http://127.0.0.1:{port}  (store: {Path(store_dir).resolve()}; Ctrl-C stops it)", flush=True)
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop(proc)

@@ -1,0 +1,383 @@
+"""MLflow lineage: the one place that creates runs, a batched asynchronous logger that spools to
+disk while the server is away, and the artifacts logged at the end of a run.
+
+    experiment -> run (one per training run; restarts and re-runs continue it, tag rayjobs.attempt)
+               -> metrics keyed by global step (a replayed step is dropped, so curves never fork)
+
+Only the driver and rank 0 talk to MLflow. The tracking URI and credentials reach the workers
+through Ray's runtime environment (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME/PASSWORD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+# Fail fast instead of MLflow's minutes of retries: the spool keeps what could not be sent.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no calls home from a training job
+
+RUN_KEY_TAG = "rayjobs.run_key"
+ATTEMPT_TAG = "rayjobs.attempt"
+LAST_STEP_TAG = "rayjobs.last_logged_step"
+MODEL_URI_TAG = "rayjobs.model_uri"  # MLflow 3 logs models as LoggedModels, linked to the run
+CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+SECRET_WORDS = ("password", "token", "secret", "key", "credential")
+
+
+def _log(message: str) -> None:
+    sys.stdout.write(f"[rayjobs] {message}\n")
+    sys.stdout.flush()
+
+
+def tracking_uri(cfg: Any) -> str:
+    """The run's tracking URI: ``tracking.uri``, else an sqlite store beside the results (absolute)."""
+    return cfg.tracking.uri or f"sqlite:///{os.path.join(cfg.storage_path, 'mlflow.db')}"
+
+
+def artifact_location(cfg: Any) -> str | None:
+    """Where a new experiment keeps artifacts: beside the results for a local store; the server's choice otherwise."""
+    if cfg.tracking.uri.startswith(("http://", "https://")):
+        return None
+    return Path(cfg.storage_path, "mlartifacts").as_uri()
+
+
+def worker_env(cfg: Any) -> dict[str, str]:
+    """Environment variables the workers need to reach the tracking server (credentials included)."""
+    env = {
+        "MLFLOW_TRACKING_URI": tracking_uri(cfg),
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+    }
+    env.update({k: os.environ[k] for k in CREDENTIAL_ENV if os.environ.get(k)})
+    return env
+
+
+def redact(key: str, value: Any) -> Any:
+    """Hide secrets in params and tags: values under secret-sounding keys, passwords inside URLs."""
+    if any(word in key.lower() for word in SECRET_WORDS) and value not in ("", None):
+        return "***"
+    if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = value.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return value
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """A nested config as dotted keys with string values (MLflow params), secrets redacted."""
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = str(redact(key, v))[:6000]
+    return out
+
+
+def client(uri: str):
+    """An MlflowClient for ``uri``."""
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = None) -> str:
+    """THE place that creates MLflow runs: the run whose tag ``rayjobs.run_key`` is ``run_key``, or a new one."""
+    c = client(tracking_uri(cfg))
+    name = cfg.tracking.experiment
+    exp = c.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            exp_id = c.create_experiment(name, artifact_location=artifact_location(cfg))
+        except Exception:  # noqa: BLE001 - created meanwhile by another process
+            exp = c.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            exp_id = exp.experiment_id
+    else:
+        exp_id = exp.experiment_id
+    found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    if found:
+        run_id = found[0].info.run_id
+        c.update_run(run_id, status="RUNNING")
+        return run_id
+    all_tags = {RUN_KEY_TAG: run_key, **(tags or {})}
+    run = c.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.run.name, tags=all_tags)
+    return run.info.run_id
+
+
+def log_params_once(uri: str, run_id: str, params: dict[str, str]) -> None:
+    """Log params not yet on the run (MLflow refuses to change a param; a changed one becomes a tag)."""
+    from mlflow.entities import Param, RunTag
+
+    c = client(uri)
+    existing = c.get_run(run_id).data.params
+    new = [Param(k, v) for k, v in params.items() if k not in existing]
+    changed = [
+        RunTag(f"rayjobs.param_changed.{k}", f"{existing[k]} -> {v}")
+        for k, v in params.items()
+        if k in existing and existing[k] != v
+    ]
+    for i in range(0, max(len(new), len(changed)), 100):
+        c.log_batch(run_id, params=new[i : i + 100], tags=changed[i : i + 100])
+
+
+def run_tags(cfg: Any, world_size: int, device: str, nodes: int) -> dict[str, str]:
+    """Tags of a run: code version, package versions, world size, strategy, device, node count."""
+    import mlflow
+    import ray
+    import torch
+
+    import rayjobs
+
+    tags = {
+        "rayjobs.version": rayjobs.__version__,
+        "ray.version": ray.__version__,
+        "torch.version": torch.__version__,
+        "mlflow.version": mlflow.__version__,
+        "world_size": str(world_size),
+        "strategy": "ddp" if world_size > 1 else "single",
+        "device.type": device,
+        "device.name": torch.cuda.get_device_name(0) if device == "gpu" and torch.cuda.is_available() else device,
+        "nodes": str(nodes),
+        "run.name": cfg.run.name,
+        **{k: str(redact(k, v)) for k, v in cfg.tracking.tags.items()},
+    }
+    commit = _git_commit()
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+    return tags
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+class MetricsLogger:
+    """Rank 0's MLflow logger: ``log`` never blocks; a thread sends batches, spools when the server is away.
+
+    Points are keyed by global step. A point whose step is not beyond what the run already has
+    (tag ``rayjobs.last_logged_step``) is a replay after a resume and is dropped.
+    """
+
+    FLUSH_EVERY_S = 2.0
+
+    def __init__(self, cfg: Any, run_id: str | None, run_key: str, spool_path: str) -> None:
+        self.cfg, self.uri, self.run_id, self.run_key = cfg, tracking_uri(cfg), run_id, run_key
+        self.spool = Path(spool_path)
+        self.queue: queue.Queue[tuple[dict[str, float], int] | None] = queue.Queue()
+        self.last_step: int | None = None  # known once connected
+        self.warned = False
+        self.sent_points = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rayjobs-mlflow", daemon=True)
+        self._thread.start()
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Queue metrics at ``step`` (numbers only); returns at once."""
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if clean:
+            self.queue.put((clean, step))
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Flush what is queued (or spool it); True when everything reached the server."""
+        self._stop.set()
+        self._thread.join(timeout)
+        return not self.spool.exists() and self.queue.empty()
+
+    # -- the sending thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stop.wait(self.FLUSH_EVERY_S)
+            batch = self._drain()
+            if batch:
+                self._append_spool(batch)
+            if self.spool.exists():
+                self._send_spool()
+            if stopping and self.queue.empty():
+                return
+
+    def _drain(self) -> list[tuple[dict[str, float], int]]:
+        out = []
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                return out
+            if item is not None:
+                out.append(item)
+
+    def _append_spool(self, batch: list[tuple[dict[str, float], int]]) -> None:
+        self.spool.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.spool, "a") as f:
+            for metrics, step in batch:
+                f.write(json.dumps({"step": step, "metrics": metrics, "t": int(time.time() * 1000)}) + "\n")
+
+    def _connect(self) -> None:
+        if self.run_id is None:
+            self.run_id = find_or_create_run(self.cfg, self.run_key)
+        if self.last_step is None:
+            c = client(self.uri)
+            tags = c.get_run(self.run_id).data.tags
+            self.last_step = int(tags.get(LAST_STEP_TAG, -1))
+            attempt = int(tags.get(ATTEMPT_TAG, 0)) + 1
+            c.set_tag(self.run_id, ATTEMPT_TAG, str(attempt))
+
+    def _send_spool(self) -> None:
+        """Send the spool in order, then remove it; on failure keep it and warn once."""
+        from mlflow.entities import Metric, RunTag
+
+        try:
+            self._connect()
+            lines = [json.loads(line) for line in self.spool.read_text().splitlines() if line.strip()]
+            points = [e for e in lines if e["step"] > self.last_step]
+            c = client(self.uri)
+            for i in range(0, len(points), 50):
+                chunk = points[i : i + 50]
+                metrics = [Metric(k, v, e["t"], e["step"]) for e in chunk for k, v in e["metrics"].items()]
+                top = max(e["step"] for e in chunk)
+                c.log_batch(self.run_id, metrics=metrics, tags=[RunTag(LAST_STEP_TAG, str(top))])
+                self.last_step = top
+                self.sent_points += len(metrics)
+            self.spool.unlink()
+            if self.warned:
+                _log(f"MLflow is reachable again: replayed the spooled metrics to run {self.run_id}")
+                self.warned = False
+        except Exception as exc:  # noqa: BLE001 - any failure: keep the spool, try again later
+            if not self.warned:
+                self.warned = True
+                _log(
+                    f"warning: MLflow at {self.uri} is unavailable ({type(exc).__name__}); training goes on, "
+                    f"metrics are spooled to {self.spool} and replayed when it is back"
+                )
+
+
+def log_final(cfg: Any, run_id: str, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:
+    """Driver, after fit: config, curve, chosen checkpoints, the model (registered when asked); end the run."""
+    import tempfile
+
+    import yaml
+
+    from rayjobs.checkpoint import list_checkpoints
+
+    c = client(tracking_uri(cfg))
+    with tempfile.TemporaryDirectory() as d:
+        cfg_path = Path(d, "config.yaml")
+        cfg_path.write_text(yaml.safe_dump(_redacted_config(cfg), sort_keys=False))
+        c.log_artifact(run_id, str(cfg_path))
+        if history:
+            curve = Path(d, "learning_curve.png")
+            draw_curve(history, curve, cfg.run.name)
+            c.log_artifact(run_id, str(curve))
+    kept = [ck for ck in list_checkpoints(cfg.run_dir, check=False) if ck.complete]
+    chosen = _chosen_checkpoints(cfg, kept, summary.get("checkpoint"))
+    for path in chosen:
+        c.log_artifacts(run_id, path, f"checkpoints/{Path(path).name}")
+    if summary.get("checkpoint"):
+        log_model(cfg, run_id, summary["checkpoint"])
+    c.set_terminated(run_id, "FINISHED")
+
+
+def _redacted_config(cfg: Any) -> dict[str, Any]:
+    def walk(d: Any, prefix: str = "") -> Any:
+        if isinstance(d, dict):
+            return {k: walk(v, f"{prefix}{k}.") for k, v in d.items()}
+        return redact(prefix.rstrip("."), d)
+
+    return walk(cfg.model_dump(mode="json"))
+
+
+def _chosen_checkpoints(cfg: Any, kept: list[Any], final: str | None) -> list[str]:
+    mode = cfg.tracking.log_checkpoints
+    if mode == "none" or not kept:
+        return []
+    if mode == "all":
+        return [k.path for k in kept]
+    if mode == "last":
+        return [final] if final else [kept[-1].path]
+    scored = [k for k in kept if cfg.checkpoint.metric in k.metrics]
+    if not scored:
+        return [final] if final else []
+    best = sorted(scored, key=lambda k: k.metrics[cfg.checkpoint.metric], reverse=cfg.checkpoint.mode == "max")[0]
+    return [best.path]
+
+
+def draw_curve(history: list[dict[str, Any]], out: Path, title: str) -> None:
+    """Train and validation loss (and validation accuracy) against the step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key in ("train/loss", "val/loss"):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), label=key, marker=".")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_yscale("log")
+    acc = [(h["step"], h["val/accuracy"]) for h in history if "val/accuracy" in h]
+    if acc:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*acc), color="tab:green", label="val/accuracy", marker=".")
+        ax2.set_ylabel("val/accuracy")
+        ax2.legend(loc="center right")
+    ax.legend(loc="upper right")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def log_model(cfg: Any, run_id: str, checkpoint: str) -> None:
+    """The final weights as an MLflow PyTorch model with signature and input example; registered if asked."""
+    import mlflow
+    import numpy as np
+    import torch
+    from mlflow.models import infer_signature
+
+    from models import build_model
+    from rayjobs import data as data_lib
+    from rayjobs.checkpoint import load
+    from rayjobs.parallel import WorkerContext
+
+    splits = data_lib.load(cfg.data.name, cfg.data.kwargs)
+    model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, splits.info)
+    load(checkpoint, model, None, WorkerContext(0, 1, 0, torch.device("cpu")))
+    model.eval()
+    example = splits.test[:4][0]
+    with torch.no_grad():
+        output = model(example)
+    signature = infer_signature(example.numpy(), output.numpy())
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    with mlflow.start_run(run_id=run_id):
+        info = mlflow.pytorch.log_model(
+            model,
+            name="model",
+            signature=signature,
+            input_example=example.numpy(),
+            registered_model_name=cfg.tracking.register_as or None,
+            # "pt2": a traced graph (torch.export), loaded without unpickling code.
+            serialization_format="pt2",
+            # Stated, not inferred: inference imports every package in sight (~6 s).
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}", f"numpy=={np.__version__}"],
+        )
+        mlflow.set_tag(MODEL_URI_TAG, info.model_uri)
