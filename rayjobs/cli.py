@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--auth", action="store_true", help="basic auth; admin from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD"
     )
 
+    shot = sub.add_parser("screenshot", help="PNG of the MLflow UI's metric chart for a run (headless Chromium)")
+    shot.add_argument("--storage-path", default="results", help="the run.storage_path whose mlflow.db to show")
+    shot.add_argument("--run", help="MLflow run name (default: the newest run)")
+    shot.add_argument("--experiment", default="rayjobs")
+    shot.add_argument("--out", required=True, metavar="PNG")
+
     bench = sub.add_parser("bench", help="run the side-by-side benchmarks (ratios, with goals)")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
@@ -71,6 +77,11 @@ def main(argv: list[str] | None = None) -> None:
             _checkpoints(args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "screenshot":
+            from rayjobs.screenshot import take
+
+            run_id = take(args.storage_path, args.out, args.run, args.experiment)
+            print(f"screenshot of run {run_id}: {args.out}")
         elif args.command == "ui":
             from rayjobs.mlflow_server import serve
 

@@ -102,7 +102,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     tokens_per_sample = splits.info.input_shape[0] if splits.info.kind == "tokens" else 0
 
     # 4. Loop: accumulate micro-batches, step, evaluate/checkpoint/report at their boundaries.
-    train_time, saved_at_step, step_metrics = 0.0, state.step if resumed_from else -1, {}
+    train_time, saved_at_step = 0.0, state.step if resumed_from else -1
     while state.step < total_steps:
         if state.step_in_epoch >= steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
@@ -125,8 +125,10 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             elif ctx.is_main:
                 log(f"step {state.step}: non-finite loss on rank(s) {result.bad_ranks}; step skipped (nan_policy=skip)")
             step_time = time.perf_counter() - t0
-            train_time += step_time
             step_metrics = per_step_metrics(cfg, state.step, result, scheduler, step_time, tokens_per_sample)
+            if mlflow_log is not None and step_metrics:
+                mlflow_log.log(step_metrics, state.step)
+            train_time += time.perf_counter() - t0  # logging counts against throughput
             if ctx.is_main and state.step % cfg.training.log_every == 0:
                 log(
                     f"step {state.step}/{total_steps} epoch {state.epoch + 1} loss {result.loss:.4f} "
@@ -145,15 +147,14 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             )
             if do_eval:
                 state.metrics = summarize(state, scheduler, result.grad_norm, train_time, ctx, model, splits.val, cfg)
-                step_metrics.update(state.metrics)
+                if mlflow_log is not None:
+                    mlflow_log.log(state.metrics, state.step)
             if do_save:
                 path = saver.save(state.step, model, optimizer, scheduler, scaler, state)
                 saved_at_step = state.step
             if do_eval or do_save:  # a checkpoint-only report carries no stale eval metrics
                 shown = state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}
                 report(shown, path if do_save else None, resolved)
-            if mlflow_log is not None:
-                mlflow_log.log(step_metrics, state.step)
             preemption.exit_if_requested(ctx)
 
     # 6. Final: test metrics, a checkpoint of the final state (always), one last report.
@@ -168,7 +169,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         final = saver.save(state.step, model, optimizer, scheduler, scaler, state, force_sync=True)
     state.metrics["checkpoint/blocked_s"] = sum(saver.blocked_s) / max(1, len(saver.blocked_s))
     if mlflow_log is not None:
-        mlflow_log.log({**step_metrics, **state.metrics}, state.step)
+        mlflow_log.log(state.metrics, state.step)
         if not mlflow_log.close(timeout=30):
             log(f"MLflow unreachable at the end: metrics stay spooled in {mlflow_log.spool}; the driver retries")
     report(state.metrics, final, resolved)

@@ -172,8 +172,9 @@ def _git_commit() -> str | None:
 class MetricsLogger:
     """Rank 0's MLflow logger: ``log`` never blocks; a thread sends batches, spools when the server is away.
 
-    Points are keyed by global step. A point whose step is not beyond what the run already has
-    (tag ``rayjobs.last_logged_step``) is a replay after a resume and is dropped.
+    Points are keyed by global step. A point whose step is not beyond what the run already had
+    when this attempt connected (tag ``rayjobs.last_logged_step``), or not beyond the last step
+    sent for its key, is a replay after a resume and is dropped: each step is logged at most once.
     """
 
     FLUSH_EVERY_S = 2.0
@@ -182,7 +183,8 @@ class MetricsLogger:
         self.cfg, self.uri, self.run_id, self.run_key = cfg, tracking_uri(cfg), run_id, run_key
         self.spool = Path(spool_path)
         self.queue: queue.Queue[tuple[dict[str, float], int] | None] = queue.Queue()
-        self.last_step: int | None = None  # known once connected
+        self.last_step: int | None = None  # the run's tag when this attempt connected
+        self.key_step: dict[str, int] = {}  # last step sent, per metric key
         self.warned = False
         self.sent_points = 0
         self._stop = threading.Event()
@@ -247,15 +249,20 @@ class MetricsLogger:
         try:
             self._connect()
             lines = [json.loads(line) for line in self.spool.read_text().splitlines() if line.strip()]
-            points = [e for e in lines if e["step"] > self.last_step]
+            points, seen = [], dict(self.key_step)  # `seen` also drops replays inside the spool
+            for e in lines:
+                for k, v in e["metrics"].items():
+                    if e["step"] > max(self.last_step, seen.get(k, -1)):
+                        points.append(Metric(k, v, e["t"], e["step"]))
+                        seen[k] = e["step"]
             c = client(self.uri)
-            for i in range(0, len(points), 50):
-                chunk = points[i : i + 50]
-                metrics = [Metric(k, v, e["t"], e["step"]) for e in chunk for k, v in e["metrics"].items()]
-                top = max(e["step"] for e in chunk)
-                c.log_batch(self.run_id, metrics=metrics, tags=[RunTag(LAST_STEP_TAG, str(top))])
-                self.last_step = top
-                self.sent_points += len(metrics)
+            for i in range(0, len(points), 500):
+                chunk = points[i : i + 500]
+                top = max(m.step for m in chunk)
+                c.log_batch(self.run_id, metrics=chunk, tags=[RunTag(LAST_STEP_TAG, str(top))])
+                for m in chunk:  # sent: never again, even if a later chunk fails and the spool stays
+                    self.key_step[m.key] = max(self.key_step.get(m.key, -1), m.step)
+                self.sent_points += len(chunk)
             self.spool.unlink()
             if self.warned:
                 _log(f"MLflow is reachable again: replayed the spooled metrics to run {self.run_id}")

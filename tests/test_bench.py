@@ -20,6 +20,7 @@ EXPECTED = {
     "compute.mfu_cpu_gpt_small",
     "overhead.loop_throughput_ratio",
     "checkpoint.async_blocked_fraction_gpt_small",
+    "tracking.step_time_ratio_logging_every_step",
 }
 
 
