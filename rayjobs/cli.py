@@ -34,6 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume-from", metavar="CHECKPOINT", help="resume from this checkpoint directory")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
+    tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune around the same training run")
+    tune.add_argument("--config", help="YAML config with a tune: section")
+    tune.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field by dotted path (repeatable)",
+    )
+    tune.add_argument("--summary", metavar="PATH", help="write the search summary as JSON here")
+    tune.add_argument("--resume", action="store_true", help="resume the search after its driver died")
+    tune.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
     listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
     listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
     listing.add_argument("--storage-path", default="results", help="where run names are looked up")
@@ -71,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.command == "train":
             _train(args)
+        elif args.command == "tune":
+            _tune(args)
         elif args.command == "bench":
             _bench(args)
         elif args.command == "checkpoints":
@@ -117,6 +133,28 @@ def _train(args: argparse.Namespace) -> None:
     if args.summary:
         train.write_summary(summary, args.summary)
         print(f"  summary:    {args.summary}")
+
+
+def _tune(args: argparse.Namespace) -> None:
+    import json
+
+    from rayjobs.config import load_config, to_yaml
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return
+    from rayjobs import tune
+
+    problems = tune.space_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+    summary = tune.run_search(cfg, resume=args.resume)
+    print(tune.format_summary(summary, cfg.tune.metric), flush=True)
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        print(f"  summary: {args.summary}")
 
 
 def _checkpoints(args: argparse.Namespace) -> None:

@@ -202,6 +202,75 @@ class TrackingSection(Section):
         return v
 
 
+SPACE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform")
+
+
+class TuneSection(Section):
+    name: str = Field("", description="Search (Tune experiment) name; empty: 'tune-<run.name>'.")
+    space: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Dotted config path -> {choice|grid: [...]} or {uniform|loguniform|randint: [lo, hi]} or {quniform: [lo, hi, q]}.",
+    )
+    num_samples: int = Field(4, ge=1, description="Trials (each grid point is repeated this many times).")
+    metric: str = Field("val/accuracy", description="Metric the search optimizes (reported at every eval).")
+    mode: Literal["min", "max"] = Field("max", description="Whether lower or higher `metric` is better.")
+    search: Literal["random", "optuna"] = Field(
+        "random", description="Search algorithm: random (and grid) or optuna (TPE)."
+    )
+    scheduler: Literal["fifo", "asha", "pbt"] = Field("fifo", description="Trial scheduler.")
+    time_attr: Literal["step", "epoch"] = Field(
+        "step", description="Unit of grace_period, max_t, perturbation_interval."
+    )
+    grace_period: int = Field(1, ge=1, description="ASHA: a trial runs at least this long before it can be stopped.")
+    reduction_factor: int = Field(2, ge=2, description="ASHA: keep 1/reduction_factor of the trials at each rung.")
+    max_t: int = Field(0, ge=0, description="ASHA: longest a trial runs; 0 = the run's full length.")
+    perturbation_interval: int = Field(
+        0, ge=0, description="PBT: exploit/explore every N time_attr units; 0 = every eval."
+    )
+    max_concurrent_trials: int | Literal["auto"] = Field(
+        "auto", description="Trials at once; auto = cluster CPUs / per-trial CPUs."
+    )
+    trial_cpus: float = Field(
+        0.1, gt=0, description="CPUs reserved for each trial's driver (its workers reserve their own)."
+    )
+    time_budget_s: float = Field(0, ge=0, description="Stop the search after this many seconds; 0 = no limit.")
+
+    @field_validator("metric")
+    @classmethod
+    def _known_metric(cls, v: str) -> str:
+        if v not in REPORTED_METRICS:
+            raise ValueError(f"must be one of {', '.join(REPORTED_METRICS)} (what every trial reports), got {v!r}")
+        return v
+
+    @field_validator("space", mode="before")
+    @classmethod
+    def _flat_paths(cls, v: Any) -> Any:
+        """``--set tune.space.optim.lr=...`` nests by dots; a space is keyed by the full dotted path."""
+        if not isinstance(v, dict):
+            return v
+        flat: dict[str, Any] = {}
+
+        def walk(node: dict[str, Any], prefix: str) -> None:
+            for key, value in node.items():
+                path = f"{prefix}{key}"
+                if isinstance(value, dict) and value and not (set(value) & set(SPACE_KINDS)):
+                    walk(value, f"{path}.")
+                else:
+                    flat[path] = value
+
+        walk(v, "")
+        return flat
+
+    @field_validator("max_concurrent_trials", mode="before")
+    @classmethod
+    def _concurrency(cls, v: Any) -> Any:
+        if v == "auto":
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"must be an integer >= 1 or 'auto', got {v!r}")
+        return v
+
+
 class FailureSection(Section):
     max_failures: int = Field(0, ge=-1, description="Worker-group restarts allowed; -1 = unlimited.")
 
@@ -218,6 +287,7 @@ class RunConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     failure: FailureSection = Field(default_factory=FailureSection)
+    tune: TuneSection = Field(default_factory=TuneSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
 
     @model_validator(mode="after")
@@ -376,13 +446,19 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         value = text
     if isinstance(value, str) or _field_is_str(parts):
         value = text  # keep strings verbatim ("1b", "007", "true" for a str field)
+    set_by_path(raw, key, value, what=f"--set {item}")
+
+
+def set_by_path(raw: dict[str, Any], dotted: str, value: Any, what: str = "") -> None:
+    """Set ``value`` at ``a.b.c`` in a nested dict, making sections as needed."""
+    parts = dotted.split(".")
     node = raw
     for i, part in enumerate(parts[:-1]):
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"--set {item}: {'.'.join(parts[: i + 1])} is not a section")
+            raise ConfigError(f"{what or dotted}: {'.'.join(parts[: i + 1])} is not a section")
         node = child
     node[parts[-1]] = value
 

@@ -67,6 +67,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     total_steps = steps_per_epoch * cfg.training.epochs
     if cfg.training.max_steps:
         total_steps = min(total_steps, cfg.training.max_steps)
+    # A segment of the run (population-based training): stop here, keep the schedule of total_steps.
+    stop_at = min(total_steps, int(resolved.get("stop_at_step") or total_steps))
 
     # 2. Model: built the same on every rank, then wrapped for data parallelism from outside.
     model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, splits.info).to(ctx.device)
@@ -103,14 +105,14 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     # 4. Loop: accumulate micro-batches, step, evaluate/checkpoint/report at their boundaries.
     train_time, saved_at_step = 0.0, state.step if resumed_from else -1
-    while state.step < total_steps:
+    while state.step < stop_at:
         if state.step_in_epoch >= steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
             continue
         train_loader.sampler.set_epoch(state.epoch)  # type: ignore[attr-defined]
         train_loader.sampler.start_index = state.step_in_epoch * accum * micro_batch  # type: ignore[attr-defined]
         batches, end_of_epoch = iter(train_loader), False
-        while state.step < total_steps and state.step_in_epoch < steps_per_epoch and not end_of_epoch:
+        while state.step < stop_at and state.step_in_epoch < steps_per_epoch and not end_of_epoch:
             t0 = time.perf_counter()
             faults.before_step(state.step + 1)
             group = [next(batches) for _ in range(accum)]
@@ -139,7 +141,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             end_of_epoch = state.step_in_epoch == steps_per_epoch
             if end_of_epoch:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
-            if state.step == total_steps:
+            if state.step == stop_at:
                 break  # the final eval, checkpoint and report follow the loop
             do_eval = (state.step % cfg.training.eval_every == 0) if cfg.training.eval_every else end_of_epoch
             do_save = checkpoint_due(cfg, state.step, state.epoch, end_of_epoch) or preemption.requested(
@@ -303,6 +305,9 @@ def resume(
         raise ckpt.CheckpointError(path.removeprefix("error: "))
     saved = ckpt.load(path, model, optimizer, ctx, scheduler, scaler)
     state = TrainState(**saved["train"])
+    apply_new_optim_settings(
+        saved["config"].get("optim", {}), cfg, optimizer, scheduler, state.step, total_steps_of(scheduler), ctx
+    )
     if ctx.is_main:
         log(f"resumed from {path} at step {state.step} (epoch {state.epoch + 1}, step {state.step_in_epoch} of it)")
         if saved["world_size"] != ctx.world_size:
@@ -312,6 +317,42 @@ def resume(
                 f"and the data order is the same; dropout RNG streams restart from the seed"
             )
     return state, (path, state.step)
+
+
+def total_steps_of(scheduler: Any) -> int:
+    """The total step count the schedule was built for (kept on the scheduler by build_scheduler)."""
+    return getattr(scheduler, "total_steps", 0)
+
+
+def apply_new_optim_settings(
+    saved: dict[str, Any],
+    cfg: RunConfig,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    step: int,
+    total_steps: int,
+    ctx: WorkerContext,
+) -> None:
+    """A resumed run whose config changed lr/weight_decay/momentum (e.g. a PBT exploit) uses the new values."""
+    changed = {
+        k: (saved.get(k), getattr(cfg.optim, k))
+        for k in ("lr", "weight_decay", "momentum")
+        if k in saved and saved.get(k) != getattr(cfg.optim, k)
+    }
+    if not changed:
+        return
+    scheduler.base_lrs = [cfg.optim.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.optim.lr * lr_factor(step, cfg, total_steps)
+        group["weight_decay"] = cfg.optim.weight_decay
+        if "momentum" in group:
+            group["momentum"] = cfg.optim.momentum
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+    if ctx.is_main:
+        log(
+            "optimizer settings changed on resume: "
+            + ", ".join(f"optim.{k} {a} -> {b}" for k, (a, b) in changed.items())
+        )
 
 
 def stop_on_nan(
@@ -506,7 +547,9 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """The LR schedule of ``cfg.optim`` over ``total_steps`` optimizer steps."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+    scheduler.total_steps = total_steps  # type: ignore[attr-defined]
+    return scheduler
 
 
 def report(metrics: dict[str, Any], checkpoint_path: str | None, resolved: dict[str, Any]) -> None:

@@ -91,7 +91,7 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = None) -> str:
+def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = None, run_name: str | None = None) -> str:
     """THE place that creates MLflow runs: the run whose tag ``rayjobs.run_key`` is ``run_key``, or a new one."""
     c = client(tracking_uri(cfg))
     name = cfg.tracking.experiment
@@ -112,7 +112,7 @@ def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = Non
         c.update_run(run_id, status="RUNNING")
         return run_id
     all_tags = {RUN_KEY_TAG: run_key, **(tags or {})}
-    run = c.create_run(exp_id, run_name=cfg.tracking.run_name or cfg.run.name, tags=all_tags)
+    run = c.create_run(exp_id, run_name=run_name or cfg.tracking.run_name or cfg.run.name, tags=all_tags)
     return run.info.run_id
 
 

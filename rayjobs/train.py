@@ -136,9 +136,17 @@ def init_ray(plan: ScalingPlan) -> None:
     cpus_needed = plan.num_workers * plan.resources_per_worker.get("CPU", 1.0)
     # The driver's directory on the workers' path, so a user's `pkg.module:callable` model imports.
     path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+    # Starting a worker group takes long on a loaded small machine (several trials at once):
+    # Ray's 60 s default turns that into restart loops.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
     ray.init(
         num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
-        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": path,
+                "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"],
+            }
+        },
         log_to_driver=True,
     )
 
@@ -154,8 +162,20 @@ def cluster_gpu_count() -> int:
     return local_gpu_count()
 
 
-def run(cfg: RunConfig) -> dict[str, Any]:
-    """Train one run with Ray Train and return its summary (see ``write_summary``)."""
+def run(
+    cfg: RunConfig,
+    *,
+    callbacks: list[Any] | None = None,
+    mlflow_tags: dict[str, str] | None = None,
+    stop_at_step: int | None = None,
+    final: bool = True,
+) -> dict[str, Any]:
+    """Train one run with Ray Train and return its summary (see ``write_summary``).
+
+    Tune's trial driver adds ``callbacks`` (TuneReportCallback), tags the MLflow child run
+    (``mlflow_tags``), and, for population-based training, stops at ``stop_at_step`` (a segment;
+    ``final=False`` leaves the MLflow run open and logs no end-of-run artifacts).
+    """
     started = time.time()
     check_resume_from(cfg)
     local_mode = cfg.scaling.num_workers == 0
@@ -173,13 +193,14 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
         init_ray(plan)
-    mlflow_run_id = start_tracking(cfg, plan) if cfg.tracking.enabled else None
+    mlflow_run_id = start_tracking(cfg, plan, mlflow_tags) if cfg.tracking.enabled else None
     loop_config = cfg.model_dump(mode="json")
     loop_config["_resolved"] = {
         "use_gpu": plan.use_gpu,
         "cpus_per_worker": plan.resources_per_worker.get("CPU", 1.0),
         "local_mode": local_mode,
         "local_history_path": history_path if local_mode else None,
+        "stop_at_step": stop_at_step,
         "mlflow": {"run_id": mlflow_run_id, "run_key": run_dir, "spool": os.path.join(run_dir, ".mlflow-spool.jsonl")},
     }
     trainer = TorchTrainer(
@@ -195,7 +216,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
             storage_path=cfg.storage_path,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
-            callbacks=[] if local_mode else [_history_callback(history_path)],
+            callbacks=[] if local_mode else [_history_callback(history_path), *(callbacks or [])],
             worker_runtime_env=worker_runtime_env(cfg),
         ),
     )
@@ -231,7 +252,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         "history": history_path,
     }
     if cfg.tracking.enabled:
-        summary["mlflow_run_id"] = finish_tracking(cfg, mlflow_run_id, summary)
+        summary["mlflow_run_id"] = finish_tracking(cfg, mlflow_run_id, summary, final=final)
     return summary
 
 
@@ -244,7 +265,7 @@ def worker_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     return {"env_vars": worker_env(cfg)}
 
 
-def start_tracking(cfg: RunConfig, plan: ScalingPlan) -> str | None:
+def start_tracking(cfg: RunConfig, plan: ScalingPlan, extra_tags: dict[str, str] | None = None) -> str | None:
     """Find or create the run's MLflow run and log its params and tags; None (one warning) if MLflow is away."""
     from rayjobs import tracking
 
@@ -253,7 +274,10 @@ def start_tracking(cfg: RunConfig, plan: ScalingPlan) -> str | None:
         ray = sys.modules.get("ray")
         if ray is not None and ray.is_initialized():
             nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
-        tags = tracking.run_tags(cfg, plan.world_size, "gpu" if plan.use_gpu else "cpu", nodes)
+        tags = {
+            **tracking.run_tags(cfg, plan.world_size, "gpu" if plan.use_gpu else "cpu", nodes),
+            **(extra_tags or {}),
+        }
         run_id = tracking.find_or_create_run(cfg, cfg.run_dir, tags)
         tracking.log_params_once(tracking.tracking_uri(cfg), run_id, tracking.flatten(cfg.model_dump(mode="json")))
         return run_id
@@ -267,7 +291,12 @@ def start_tracking(cfg: RunConfig, plan: ScalingPlan) -> str | None:
 
 
 def finish_tracking(
-    cfg: RunConfig, run_id: str | None, summary: dict[str, Any] | None, failed: bool = False, wait_s: float = 90.0
+    cfg: RunConfig,
+    run_id: str | None,
+    summary: dict[str, Any] | None,
+    failed: bool = False,
+    wait_s: float = 90.0,
+    final: bool = True,
 ) -> str | None:
     """Replay anything spooled, log the end-of-run artifacts and model, end the MLflow run."""
     from rayjobs import tracking
@@ -281,7 +310,7 @@ def finish_tracking(
                 raise ConnectionError("spool not replayed")
             if failed:
                 tracking.client(tracking.tracking_uri(cfg)).set_terminated(run_id, "FAILED")
-            else:
+            elif final:
                 tracking.log_final(cfg, run_id, summary or {}, read_history(os.path.join(cfg.run_dir, "metrics.jsonl")))
             return run_id
         except Exception as exc:  # noqa: BLE001

@@ -147,3 +147,19 @@ def mlflow_server(tmp_path_factory):
     proc = server.start(str(store), port, log_path=str(store / "server.log"))
     yield {"uri": f"http://127.0.0.1:{port}", "port": port, "store": store, "proc": proc}
     server.stop(proc)
+
+
+def spawn_ranks(fn, world: int, args: tuple, timeout: float = 180.0) -> None:
+    """Run ``fn(rank, *args)`` in ``world`` processes (torch's spawn); fail instead of hanging past ``timeout``."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=2):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            pytest.fail(f"{world} ranks of {fn.__name__} still running after {timeout:.0f} s")

@@ -34,7 +34,9 @@ def test_every_shipped_config_validates_and_opens_with_its_command(path: Path):
     cfg = load_config(path)
     assert isinstance(cfg, RunConfig)
     first_lines = path.read_text().splitlines()[:6]
-    assert any("rayjobs train" in line and line.startswith("#") for line in first_lines), first_lines
+    assert any(("rayjobs train" in line or "rayjobs tune" in line) and line.startswith("#") for line in first_lines), (
+        first_lines
+    )
 
 
 def test_set_values_are_typed_by_the_schema():

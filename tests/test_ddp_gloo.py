@@ -7,12 +7,12 @@ the tolerance (1e-10) is tight enough that any error in loss normalization or ac
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from models import DataInfo, build_model
 from rayjobs import loop
@@ -57,22 +57,25 @@ def _train(name: str, ctx: WorkerContext, accum: int) -> torch.nn.Module:
 def _worker(rank: int, world: int, port: int, name: str, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         ctx = WorkerContext.from_process_group()
         model = _train(name, ctx, accum=2)
         if rank == 0:
             torch.save(model.module.state_dict(), out)
+        dist.barrier()  # both ranks done before either tears the group down
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_ddp_two_processes_match_one_process_on_the_global_batch(name: str, tmp_path):
-    from conftest import free_port
+    from conftest import free_port, spawn_ranks
 
     out = str(tmp_path / "ddp.pt")
-    mp.spawn(_worker, args=(2, free_port(), name, out), nprocs=2, join=True)
+    spawn_ranks(_worker, 2, (2, free_port(), name, out))
     ddp = torch.load(out, weights_only=True)
     reference = _train(name, WorkerContext(0, 1, 0, torch.device("cpu")), accum=1).state_dict()
     assert ddp.keys() == reference.keys()
@@ -86,7 +89,9 @@ def test_ddp_two_processes_match_one_process_on_the_global_batch(name: str, tmp_
 def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
     from rayjobs.checkpoint import Saver, TrainState
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
     try:
         ctx = WorkerContext.from_process_group()
         info, optim = CASES["gpt"]
@@ -103,16 +108,17 @@ def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
             )
             saver.save(step, model, opt, sched, None, TrainState(step=step))  # DDP keeps running meanwhile
         saver.wait()
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def test_async_checkpoints_from_two_ranks_commit_while_ddp_trains(tmp_path):
-    from conftest import free_port
+    from conftest import free_port, spawn_ranks
 
     from rayjobs import checkpoint as ckpt
 
-    mp.spawn(_async_saver_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_async_saver_worker, 2, (2, free_port(), str(tmp_path)))
     infos = ckpt.list_checkpoints(tmp_path)
     assert [c.step for c in infos] == [2, 3] and all(c.complete for c in infos), infos
     assert {p.name for p in Path(infos[-1].path).glob("rank_*.pt")} == {"rank_0.pt", "rank_1.pt"}

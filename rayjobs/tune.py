@@ -1,0 +1,550 @@
+"""Hyperparameter search: Ray Tune around the very same training run.
+
+    rayjobs tune --config rayjobs/configs/tune-digits.yaml [--set ...] [--summary PATH] [--resume]
+    python -m rayjobs.tune --config rayjobs/configs/tune-digits.yaml
+
+Each trial is a Tune function trainable that *is* the Train driver (``rayjobs.train.run``:
+``TorchTrainer`` inside, with ``TuneReportCallback``), as Ray Train V2 intends. A trial's Train
+run name is its trial id, so a restarted trial resumes from its own checkpoints. MLflow: one
+parent run for the search, one child run per trial (``mlflow.parentRunId``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rayjobs.config import SPACE_KINDS, RunConfig, from_dict, set_by_path
+from rayjobs.errors import ConfigError, TrainingFailed
+
+POINTER = "pointer.json"  # a Tune checkpoint (PBT) names the Train checkpoint it stands for
+
+
+# ---------------------------------------------------------------------------------------------
+# The search space: validated before Ray starts, then turned into Tune domains.
+
+
+def _numbers(values: Any, n: int) -> bool:
+    return (
+        isinstance(values, list)
+        and len(values) == n
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    )
+
+
+def space_problems(cfg: RunConfig) -> list[str]:
+    """One line per problem in ``tune.space`` (paths, kinds, bounds, value types)."""
+    problems = []
+    base = cfg.model_dump(mode="json", by_alias=True)
+    for path, spec in cfg.tune.space.items():
+        where = f"tune.space.{path}"
+        if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in SPACE_KINDS:
+            problems.append(
+                f"{where}: must be one mapping {{kind: values}} with kind one of {', '.join(SPACE_KINDS)}, got {spec!r}"
+            )
+            continue
+        kind, values = next(iter(spec.items()))
+        if kind in ("choice", "grid"):
+            if not isinstance(values, list) or not values:
+                problems.append(f"{where}: {kind} needs a non-empty list, got {values!r}")
+                continue
+            samples = values
+        elif kind == "quniform":
+            if not _numbers(values, 3) or values[0] >= values[1] or values[2] <= 0:
+                problems.append(f"{where}: quniform needs [low, high, q] with low < high and q > 0, got {values!r}")
+                continue
+            samples = values[:2]
+        else:
+            if not _numbers(values, 2):
+                problems.append(f"{where}: {kind} needs [low, high] (two numbers), got {values!r}")
+                continue
+            if values[0] >= values[1]:
+                problems.append(f"{where}: low must be < high, got {values!r}")
+                continue
+            if kind == "loguniform" and values[0] <= 0:
+                problems.append(f"{where}: loguniform needs low > 0, got {values!r}")
+                continue
+            samples = values
+        if kind == "grid" and cfg.tune.search == "optuna":
+            problems.append(f"{where}: grid works with tune.search=random only; use choice with optuna")
+        for value in samples:
+            trial = json.loads(json.dumps(base))
+            try:
+                set_by_path(trial, path, value)
+                from_dict(trial)
+            except ConfigError as exc:
+                detail = "; ".join(exc.problems)
+                problems.append(f"{where}: value {value!r} does not fit the config: {detail}")
+                break
+    if cfg.tune.scheduler == "pbt":
+        if not cfg.tune.space:
+            problems.append("tune.space: pbt needs at least one hyperparameter to mutate")
+        for path, spec in cfg.tune.space.items():
+            if isinstance(spec, dict) and "grid" in spec:
+                problems.append(f"tune.space.{path}: pbt cannot mutate a grid; use choice")
+    return problems
+
+
+def tune_domain(spec: dict[str, Any]) -> Any:
+    """The Ray Tune domain for one validated space entry."""
+    from ray import tune
+
+    kind, v = next(iter(spec.items()))
+    return {
+        "choice": lambda: tune.choice(v),
+        "grid": lambda: tune.grid_search(v),
+        "uniform": lambda: tune.uniform(v[0], v[1]),
+        "loguniform": lambda: tune.loguniform(v[0], v[1]),
+        "randint": lambda: tune.randint(int(v[0]), int(v[1])),
+        "quniform": lambda: tune.quniform(v[0], v[1], v[2]),
+    }[kind]()
+
+
+def trial_config(base: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The base config with a trial's sampled values set at their dotted paths."""
+    cfg = json.loads(json.dumps(base))
+    for path, value in params.items():
+        set_by_path(cfg, path, value)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# The trial: a Tune function trainable that is the Train driver.
+
+
+def trial_driver(params: dict[str, Any], base: dict[str, Any], layout: dict[str, Any]) -> None:
+    """Run one trial: the training run with this trial's values, reporting to Tune as it goes."""
+    import ray.tune
+
+    from rayjobs import train
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    raw = trial_config(base, params)
+    raw["run"].update(name=trial_id, storage_path=layout["train_storage"])
+    raw["tracking"].update(register_as="", run_name=f"{layout['name']}-{trial_id}")
+    # Every report carries the search metric: checkpoints are taken exactly at the evals.
+    evals = raw["training"]["eval_every"]
+    raw["checkpoint"].update(every_steps=evals, every_epochs=0 if evals else 1)
+    tags = {"mlflow.parentRunId": layout["parent_run_id"], "ray.trial_id": trial_id} if layout["parent_run_id"] else {}
+    if layout["scheduler"] == "pbt":
+        raw["checkpoint"]["keep_last"] = 10_000  # a donor's checkpoint must outlive the exploits that load it
+        _pbt_segments(raw, tags, layout, trial_id)
+        return
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    cfg = from_dict(raw)
+    try:
+        train.run(cfg, callbacks=[TuneReportCallback()], mlflow_tags=tags)
+    except TrainingFailed as exc:
+        raise RuntimeError(f"trial {trial_id} failed: {exc}") from exc
+
+
+def _pbt_segments(raw: dict[str, Any], tags: dict[str, str], layout: dict[str, Any], trial_id: str) -> None:
+    """PBT under Train V2: train in segments; each ends with a Tune checkpoint that points at the Train one.
+
+    An exploit restarts this function with another trial's pointer and perturbed values: the
+    first segment then resumes from that checkpoint (``checkpoint.resume_from``).
+    """
+    import ray.tune
+
+    from rayjobs import train
+
+    interval = layout["perturbation_interval"]
+    restored = ray.tune.get_checkpoint()
+    start_from, step = None, 0
+    if restored is not None:
+        with restored.as_directory() as d:
+            pointer = json.loads(Path(d, POINTER).read_text())
+        start_from, step = pointer["path"], pointer["step"]
+        if pointer["trial_id"] != trial_id:
+            _record_exploit(layout, trial_id, pointer, raw)
+    while True:
+        seg = json.loads(json.dumps(raw))
+        if start_from:
+            seg["checkpoint"]["resume_from"] = start_from
+        cfg = from_dict(seg)
+        summary = train.run(cfg, mlflow_tags=tags, stop_at_step=step + interval, final=False)
+        step, start_from = int(summary["metrics"]["step"]), None
+        with tempfile.TemporaryDirectory() as d:
+            Path(d, POINTER).write_text(json.dumps({"path": summary["checkpoint"], "trial_id": trial_id, "step": step}))
+            metrics = {k: v for k, v in summary["metrics"].items() if isinstance(v, (int, float))}
+            ray.tune.report(metrics, checkpoint=ray.tune.Checkpoint.from_directory(d))
+        if step >= _run_length(cfg):
+            from rayjobs.train import finish_tracking
+
+            finish_tracking(cfg, summary["mlflow_run_id"], summary)
+            return
+
+
+def _record_exploit(layout: dict[str, Any], trial_id: str, pointer: dict[str, Any], raw: dict[str, Any]) -> None:
+    event = {
+        "trial_id": trial_id,
+        "cloned_from": pointer["trial_id"],
+        "step": pointer["step"],
+        "checkpoint": pointer["path"],
+        "time": time.time(),
+    }
+    path = Path(layout["train_storage"], trial_id, "pbt_exploits.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(event) + "\n")
+    sys.stdout.write(f"[rayjobs] pbt: trial {trial_id} exploits {pointer['trial_id']} at step {pointer['step']}\n")
+    if layout["parent_run_id"]:
+        try:
+            from rayjobs import tracking
+
+            cfg = from_dict(raw)
+            run_id = tracking.find_or_create_run(cfg, os.path.join(layout["train_storage"], trial_id))
+            tracking.client(tracking.tracking_uri(cfg)).set_tag(
+                run_id, f"rayjobs.pbt.exploit.step{pointer['step']}", f"cloned from trial {pointer['trial_id']}"
+            )
+        except Exception:  # noqa: BLE001 - tracking never stops training
+            pass
+
+
+def _steps_per_epoch(cfg: RunConfig) -> int:
+    from rayjobs import data as data_lib
+
+    return max(1, len(data_lib.load(cfg.data.name, cfg.data.kwargs).train) // cfg.training.batch_size)  # type: ignore[arg-type]
+
+
+def _run_length(cfg: RunConfig) -> int:
+    """Optimizer steps of one full trial (as the loop counts them)."""
+    total = _steps_per_epoch(cfg) * cfg.training.epochs
+    return min(total, cfg.training.max_steps) if cfg.training.max_steps else total
+
+
+# ---------------------------------------------------------------------------------------------
+# The search driver.
+
+
+def layout_for(cfg: RunConfig) -> dict[str, Any]:
+    """Names and places of a search: Tune's experiment dir, the trials' Train storage."""
+    name = cfg.tune.name or f"tune-{cfg.run.name}"
+    return {
+        "name": name,
+        "experiment_dir": os.path.join(cfg.storage_path, name),
+        "train_storage": os.path.join(cfg.storage_path, f"{name}-trials"),
+        "scheduler": cfg.tune.scheduler,
+        "perturbation_interval": 0,
+        "parent_run_id": None,
+    }
+
+
+def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) the search and return its summary."""
+    problems = space_problems(cfg)
+    if cfg.scaling.num_workers == 0:
+        problems.append("scaling.num_workers: a search needs workers (each trial runs a TorchTrainer); use 1 or more")
+    if problems:
+        raise ConfigError(problems)
+    layout = layout_for(cfg)
+    if resume and not os.path.isdir(layout["experiment_dir"]):
+        raise ConfigError(f"--resume: no search to resume at {layout['experiment_dir']}")
+
+    import ray
+    from ray import tune
+
+    from rayjobs import train
+    from rayjobs.tune_progress import ProgressLine
+
+    started = time.time()
+    plan = train.plan_scaling(cfg, train.cluster_gpu_count())
+    train.init_ray(plan)
+    steps = _run_length(cfg)
+    layout["perturbation_interval"] = _interval(cfg, steps)
+    parent = _start_parent(cfg, layout) if cfg.tracking.enabled else None
+    layout["parent_run_id"] = parent
+    base = cfg.model_dump(mode="json", by_alias=True)
+    trial_resources = _trial_resources(cfg)
+    trainable = tune.with_resources(tune.with_parameters(trial_driver, base=base, layout=layout), trial_resources)
+    if resume:
+        if not tune.Tuner.can_restore(layout["experiment_dir"]):
+            raise ConfigError(f"--resume: {layout['experiment_dir']} holds no restorable Tune experiment")
+        tuner = tune.Tuner.restore(
+            layout["experiment_dir"], trainable=trainable, resume_unfinished=True, resume_errored=True
+        )
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space={path: tune_domain(spec) for path, spec in cfg.tune.space.items()},
+            tune_config=tune.TuneConfig(
+                metric=cfg.tune.metric,
+                mode=cfg.tune.mode,
+                num_samples=cfg.tune.num_samples,
+                search_alg=_search_alg(cfg),
+                scheduler=_scheduler(cfg, steps, layout),
+                max_concurrent_trials=_max_concurrent(cfg, trial_resources),
+                time_budget_s=cfg.tune.time_budget_s or None,
+            ),
+            run_config=tune.RunConfig(
+                name=layout["name"],
+                storage_path=cfg.storage_path,
+                verbose=0,
+                callbacks=[ProgressLine(cfg.tune.metric, cfg.tune.mode)],
+            ),
+        )
+    results = tuner.fit()
+    summary = _summarize(cfg, layout, results, steps, started)
+    if cfg.tracking.enabled and parent:
+        _finish_parent(cfg, layout, summary)
+    leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") not in ("REMOVED",)]
+    summary["placement_groups_left"] = len(leftover)
+    return summary
+
+
+def _interval(cfg: RunConfig, steps: int) -> int:
+    if cfg.tune.perturbation_interval:
+        return cfg.tune.perturbation_interval * (_steps_per_epoch(cfg) if cfg.tune.time_attr == "epoch" else 1)
+    return cfg.training.eval_every or _steps_per_epoch(cfg)
+
+
+def _trial_resources(cfg: RunConfig) -> dict[str, float]:
+    """The trial actor only drives its TorchTrainer; the workers reserve their own resources."""
+    return {"CPU": cfg.tune.trial_cpus}
+
+
+def _max_concurrent(cfg: RunConfig, trial_resources: dict[str, float]) -> int:
+    """``auto``: cluster CPUs divided by what one trial takes (its driver plus its workers)."""
+    if cfg.tune.max_concurrent_trials != "auto":
+        return int(cfg.tune.max_concurrent_trials)
+    import ray
+
+    total = ray.cluster_resources().get("CPU", 1.0)
+    workers = cfg.scaling.num_workers if isinstance(cfg.scaling.num_workers, int) else 2
+    per_trial = trial_resources["CPU"] + workers * cfg.scaling.resources_per_worker.get("CPU", 1.0)
+    return max(1, int(total // per_trial))
+
+
+def _search_alg(cfg: RunConfig) -> Any:
+    if cfg.tune.search == "optuna":
+        from ray.tune.search.optuna import OptunaSearch
+
+        return OptunaSearch(seed=cfg.training.seed)
+    return None
+
+
+def _scheduler(cfg: RunConfig, steps: int, layout: dict[str, Any]) -> Any:
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
+
+    t = cfg.tune
+    if t.scheduler == "asha":
+        full = steps if t.time_attr == "step" else cfg.training.epochs
+        # One past the end: ASHA would otherwise stop a trial at its last report, killing the
+        # trial actor before it logs its model and ends its MLflow run.
+        return ASHAScheduler(
+            time_attr=t.time_attr,
+            max_t=(t.max_t or full) + 1,
+            grace_period=t.grace_period,
+            reduction_factor=t.reduction_factor,
+        )
+    if t.scheduler == "pbt":
+        return PopulationBasedTraining(
+            time_attr="step",
+            perturbation_interval=layout["perturbation_interval"],
+            hyperparam_mutations={p: tune_domain(s) for p, s in t.space.items()},
+            quantile_fraction=0.5,
+            resample_probability=0.5,
+            seed=cfg.training.seed,
+        )
+    return FIFOScheduler()
+
+
+def _start_parent(cfg: RunConfig, layout: dict[str, Any]) -> str | None:
+    from rayjobs import tracking
+
+    try:
+        tags = {"rayjobs.kind": "tune", "tune.scheduler": cfg.tune.scheduler, "tune.search": cfg.tune.search}
+        run_id = tracking.find_or_create_run(cfg, layout["experiment_dir"], tags, run_name=layout["name"])
+        space = {f"tune.space.{k}": json.dumps(v) for k, v in cfg.tune.space.items()}
+        tracking.log_params_once(
+            tracking.tracking_uri(cfg),
+            run_id,
+            {
+                **space,
+                "tune.num_samples": str(cfg.tune.num_samples),
+                "tune.metric": cfg.tune.metric,
+                "tune.mode": cfg.tune.mode,
+                "tune.scheduler": cfg.tune.scheduler,
+                "tune.search": cfg.tune.search,
+            },
+        )
+        return run_id
+    except Exception as exc:  # noqa: BLE001 - tracking never stops the search
+        print(f"[rayjobs] warning: MLflow unavailable for the search's parent run ({type(exc).__name__})", flush=True)
+        return None
+
+
+def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int, started: float) -> dict[str, Any]:
+    from rayjobs import tracking
+    from rayjobs.train import read_history
+
+    trials = []
+    for r in results:
+        trial_id = Path(r.path).name.split("_")[1] if r.path and "_" in Path(r.path).name else None
+        metrics = {
+            k: v for k, v in (r.metrics or {}).items() if isinstance(v, (int, float)) and ("/" in k or k == "step")
+        }
+        trial_id = (r.metrics or {}).get("trial_id", trial_id)
+        run_dir = os.path.join(layout["train_storage"], str(trial_id))
+        exploits_file = Path(run_dir, "pbt_exploits.jsonl")
+        exploits = [json.loads(x) for x in exploits_file.read_text().splitlines()] if exploits_file.exists() else []
+        last_step = int(metrics.get("step", 0))
+        status = "error" if r.error else ("done" if last_step >= steps else "stopped early")
+        run_id = None
+        if cfg.tracking.enabled:
+            try:
+                run_id = tracking.find_or_create_run(cfg, run_dir) if os.path.isdir(run_dir) else None
+            except Exception:  # noqa: BLE001
+                run_id = None
+        history = read_history(os.path.join(run_dir, "metrics.jsonl"))
+        trials.append(
+            {
+                "id": trial_id,
+                "status": status,
+                "config": {k: v for k, v in (r.config or {}).items()},
+                "metrics": metrics,
+                "mlflow_run_id": run_id,
+                "exploits": exploits,
+                "steps": last_step,
+                "history": [h for h in history if cfg.tune.metric in h],
+            }
+        )
+    best = results.get_best_result(metric=cfg.tune.metric, mode=cfg.tune.mode, scope="all")
+    best_id = (best.metrics or {}).get("trial_id")
+    best_trial = next((t for t in trials if t["id"] == best_id), None)
+    return {
+        "name": layout["name"],
+        "experiment_dir": layout["experiment_dir"],
+        "best_config": dict(best.config or {}),
+        "best_metrics": {k: v for k, v in (best.metrics or {}).items() if isinstance(v, (int, float)) and "/" in k},
+        "best_trial": best_trial["id"] if best_trial else None,
+        "mlflow_parent_run_id": layout["parent_run_id"],
+        "trials": trials,
+        "total_steps": sum(t["steps"] for t in trials),
+        "wall_s": round(time.time() - started, 2),
+    }
+
+
+def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, Any]) -> None:
+    """Tag the best child, end unfinished children, plots and best metrics on the parent, register the best model."""
+    from mlflow.entities import Metric, Param
+
+    from rayjobs import tracking
+
+    c = tracking.client(tracking.tracking_uri(cfg))
+    parent = layout["parent_run_id"]
+    for t in summary["trials"]:
+        if not t["mlflow_run_id"]:
+            continue
+        run = c.get_run(t["mlflow_run_id"])
+        if run.info.status == "RUNNING":
+            c.set_terminated(t["mlflow_run_id"], "KILLED" if t["status"] == "stopped early" else "FAILED")
+        c.set_tag(t["mlflow_run_id"], "rayjobs.tune.status", t["status"])
+        if t["id"] == summary["best_trial"]:
+            c.set_tag(t["mlflow_run_id"], "rayjobs.best", "true")
+    now = int(time.time() * 1000)
+    c.log_batch(
+        parent,
+        metrics=[Metric(f"best/{k}", float(v), now, 0) for k, v in summary["best_metrics"].items()],
+        params=[
+            Param(f"best.{k}", str(v))
+            for k, v in summary["best_config"].items()
+            if f"best.{k}" not in c.get_run(parent).data.params
+        ],
+    )
+    with tempfile.TemporaryDirectory() as d:
+        draw_search_plots(summary, cfg.tune.metric, Path(d))
+        for png in Path(d).glob("*.png"):
+            c.log_artifact(parent, str(png))
+    best = next((t for t in summary["trials"] if t["id"] == summary["best_trial"]), None)
+    if cfg.tracking.register_as:
+        uri = (
+            c.get_run(best["mlflow_run_id"]).data.tags.get(tracking.MODEL_URI_TAG)
+            if best and best["mlflow_run_id"]
+            else None
+        )
+        if uri:
+            import mlflow
+
+            mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
+            version = mlflow.register_model(uri, cfg.tracking.register_as)
+            summary["registered_model"] = {"name": version.name, "version": version.version}
+        else:
+            why = "no best trial" if not best else f"trial {best['id']} ({best['status']}) logged no model"
+            summary["registered_model"] = {"skipped": why}
+            print(f"[rayjobs] warning: best model not registered: {why}", flush=True)
+    c.set_terminated(parent, "FINISHED")
+
+
+def draw_search_plots(summary: dict[str, Any], metric: str, out_dir: Path) -> None:
+    """hyperparameters_vs_metric.png (one panel per numeric hyperparameter) and learning_curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trials = [t for t in summary["trials"] if metric in t["metrics"]]
+    keys = sorted({k for t in trials for k, v in t["config"].items() if isinstance(v, (int, float))})
+    if keys:
+        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.5), squeeze=False)
+        for ax, key in zip(axes[0], keys):
+            xs = [t["config"][key] for t in trials if key in t["config"]]
+            ys = [t["metrics"][metric] for t in trials if key in t["config"]]
+            ax.scatter(xs, ys)
+            if xs and min(xs) > 0 and max(xs) / min(xs) > 20:
+                ax.set_xscale("log")
+            ax.set_xlabel(key)
+            ax.set_ylabel(metric)
+        fig.tight_layout()
+        fig.savefig(out_dir / "hyperparameters_vs_metric.png", dpi=90)
+        plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for t in summary["trials"]:
+        pts = [(h["step"], h[metric]) for h in t["history"]]
+        if pts:
+            ax.plot(*zip(*pts), marker=".", label=f"{t['id']} ({t['status']})")
+    ax.set_xlabel("step")
+    ax.set_ylabel(metric)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "learning_curves.png", dpi=90)
+    plt.close(fig)
+
+
+def format_summary(summary: dict[str, Any], metric: str) -> str:
+    """The console summary: one line per trial, then the best config and metric."""
+    lines = [
+        f"rayjobs: search {summary['name']} finished in {summary['wall_s']:.1f} s ({len(summary['trials'])} trials)"
+    ]
+    for t in summary["trials"]:
+        value = t["metrics"].get(metric)
+        shown = f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+        params = ", ".join(f"{k}={_fmt(v)}" for k, v in t["config"].items())
+        lines.append(f"  {t['id']}  {t['status']:<13} step {t['steps']:>5}  {metric} {shown}  {params}")
+    best = ", ".join(f"{k}={_fmt(v)}" for k, v in summary["best_config"].items())
+    lines.append(f"  best: {best}  ->  {metric} {summary['best_metrics'].get(metric, float('nan')):.4f}")
+    if summary.get("mlflow_parent_run_id"):
+        lines.append(f"  MLflow parent run: {summary['mlflow_parent_run_id']}")
+    return "\n".join(lines)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) and not math.isnan(v) else str(v)
+
+
+def main() -> None:
+    """``python -m rayjobs.tune``: the same as ``rayjobs tune``."""
+    from rayjobs.cli import main as cli_main
+
+    cli_main(["tune", *sys.argv[1:]])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""Hyperparameter search: the space is checked before Ray; an ASHA search runs on a real local Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayjobs import tune
+from rayjobs.config import load_config
+
+TUNE = "rayjobs/configs/tune-digits.yaml"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["tune.space.optim.lr.loguniform=[0.1, 0.01]"], "tune.space.optim.lr: low must be < high, got [0.1, 0.01]"),
+        (["tune.space.model.kwargs.width.choice=[]"], "tune.space.model.kwargs.width: choice needs a non-empty list"),
+        (
+            ["tune.space.optim.lrr.uniform=[0.1, 0.2]"],
+            "tune.space.optim.lrr: value 0.1 does not fit the config: optim.lrr: unknown key",
+        ),
+        (
+            ["tune.space.training.epochs.choice=[abc]"],
+            "tune.space.training.epochs: value 'abc' does not fit the config: training.epochs: must be an integer",
+        ),
+        (["tune.space.optim.lr.loguniform=[0, 1]"], "tune.space.optim.lr: loguniform needs low > 0"),
+        (
+            ["tune.space.optim.lr={choice: [0.1], uniform: [0.1, 0.2]}"],
+            "tune.space.optim.lr: must be one mapping {kind: values}",
+        ),
+        (
+            ["tune.search=optuna", "tune.space.optim.name.grid=[adamw, sgd]"],
+            "tune.space.optim.name: grid works with tune.search=random only",
+        ),
+    ],
+)
+def test_bad_search_spaces_are_one_line_errors(overrides, expected):
+    cfg = load_config(TUNE, overrides)
+    problems = tune.space_problems(cfg)
+    assert any(p.startswith(expected) for p in problems), problems
+
+
+def test_a_metric_no_trial_reports_is_refused():
+    from rayjobs.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="tune.metric: must be one of val/loss, val/accuracy, train/loss"):
+        load_config(TUNE, ["tune.metric=val/f1"])
+
+
+def test_shipped_search_space_is_valid():
+    assert tune.space_problems(load_config(TUNE)) == []
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_asha_search_on_digits_with_mlflow_parent_and_children(ray_cluster, mlflow_server, tmp_path):
+    uri = mlflow_server["uri"]
+    cfg = load_config(
+        TUNE,
+        [
+            f"run.storage_path={tmp_path}",
+            "training.epochs=2",
+            "training.eval_every=10",
+            "tune.num_samples=4",
+            "tune.grace_period=10",
+            "tune.max_concurrent_trials=2",
+            f"tracking.uri={uri}",
+            "tracking.experiment=search",
+            "tracking.register_as=digits-search",
+            "tune.space.optim.lr.loguniform=[0.0003, 0.03]",
+        ],
+    )
+    summary = tune.run_search(cfg)
+    trials = summary["trials"]
+    assert len(trials) == 4 and all(t["status"] in ("done", "stopped early") for t in trials), trials
+    assert any(t["status"] == "stopped early" for t in trials), [t["steps"] for t in trials]
+    assert summary["placement_groups_left"] == 0  # stopped trials freed their workers
+    assert summary["best_metrics"]["val/accuracy"] > 0.8
+
+    from rayjobs.tracking import client
+
+    c = client(uri)
+    exp = c.get_experiment_by_name("search")
+    runs = c.search_runs([exp.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("rayjobs.kind") == "tune"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and len(children) == 4 and len(runs) == 5
+    assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
+    assert sum(r.data.tags.get("rayjobs.best") == "true" for r in children) == 1
+    assert {a.path for a in c.list_artifacts(parents[0].info.run_id)} >= {
+        "hyperparameters_vs_metric.png",
+        "learning_curves.png",
+    }
+    assert summary["registered_model"].get("name") == "digits-search", (
+        summary["registered_model"],
+        summary["best_trial"],
+        [(t["id"], t["status"]) for t in trials],
+    )
