@@ -42,6 +42,10 @@ def space_problems(cfg: RunConfig) -> list[str]:
     """One line per problem in ``tune.space`` (paths, kinds, bounds, value types)."""
     problems = []
     base = cfg.model_dump(mode="json", by_alias=True)
+    if cfg.tracking.enabled and not cfg.tracking.uri:  # trials live elsewhere: pin the search's own store
+        from rayjobs.tracking import tracking_uri
+
+        base["tracking"]["uri"] = tracking_uri(cfg)
     for path, spec in cfg.tune.space.items():
         where = f"tune.space.{path}"
         if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in SPACE_KINDS:
@@ -262,6 +266,10 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     parent = _start_parent(cfg, layout) if cfg.tracking.enabled else None
     layout["parent_run_id"] = parent
     base = cfg.model_dump(mode="json", by_alias=True)
+    if cfg.tracking.enabled and not cfg.tracking.uri:  # trials live elsewhere: pin the search's own store
+        from rayjobs.tracking import tracking_uri
+
+        base["tracking"]["uri"] = tracking_uri(cfg)
     trial_resources = _trial_resources(cfg)
     trainable = tune.with_resources(tune.with_parameters(trial_driver, base=base, layout=layout), trial_resources)
     if resume:
@@ -351,7 +359,6 @@ def _scheduler(cfg: RunConfig, steps: int, layout: dict[str, Any]) -> Any:
             hyperparam_mutations={p: tune_domain(s) for p, s in t.space.items()},
             quantile_fraction=0.5,
             resample_probability=0.5,
-            seed=cfg.training.seed,
         )
     return FIFOScheduler()
 

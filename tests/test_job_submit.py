@@ -123,3 +123,74 @@ def test_driver_killed_then_the_same_command_resumes(ray_head, tmp_path):
     step = int(resumed[0].split(" at step ")[1].split()[0])
     assert step >= killed_at >= 10
     assert "rayjobs: run driverkill finished" in out
+
+
+@pytest.mark.slow
+def test_search_driver_killed_then_resume_finishes_every_trial_once(ray_head, tmp_path):
+    """`rayjobs tune` dies (SIGKILL) mid-search; `--resume` finishes it: no trial restarts from step 0."""
+    import signal
+    import sys
+    import time
+
+    from rayjobs import checkpoint as ckpt
+
+    env = {**ray_head.env, "RAY_ADDRESS": f"127.0.0.1:{ray_head.gcs_port}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "rayjobs",
+        "tune",
+        "--config",
+        "rayjobs/configs/tune-digits.yaml",
+        "--set",
+        f"run.storage_path={tmp_path}",
+        "--set",
+        "training.epochs=2",
+        "--set",
+        "training.eval_every=10",
+        "--set",
+        "tune.num_samples=3",
+        "--set",
+        "tune.scheduler=fifo",
+        "--set",
+        "tune.max_concurrent_trials=1",
+        "--set",
+        "tracking.register_as=",
+    ]
+    trials_dir = tmp_path / "tune-digits-trials"
+    first = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        runs = sorted(trials_dir.glob("*")) if trials_dir.exists() else []
+        done = [r for r in runs if (ck := ckpt.latest_complete(r, warn=False)) and ck.step == 38]
+        partial = [r for r in runs if (ck := ckpt.latest_complete(r, warn=False)) and 10 <= ck.step < 38]
+        if done and partial:
+            interrupted = {p.name: ckpt.latest_complete(p, warn=False).step for p in partial}
+            break
+        assert first.poll() is None, first.stdout.read()[-3000:]
+        time.sleep(0.3)
+    else:
+        pytest.fail("the search never had one finished and one half-done trial")
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=30)
+
+    second = subprocess.run([*cmd, "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    for trial_id, step in interrupted.items():
+        resumed = [line for line in out.splitlines() if f"/{trial_id}/checkpoint_" in line and "resumed from" in line]
+        assert resumed, out[-3000:]  # the half-done trial resumed from its checkpoint, not from step 0
+        assert int(resumed[0].split(" at step ")[1].split()[0]) >= step
+    trial_dirs = [d for d in trials_dir.iterdir() if d.is_dir()]
+    finished = {d.name: getattr(ckpt.latest_complete(d, warn=False), "step", None) for d in trial_dirs}
+    assert len(finished) == 3 and set(finished.values()) == {38}, (
+        finished,
+        sorted(p.name for p in trials_dir.iterdir()),
+    )
+    from rayjobs.tracking import client
+
+    c = client(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = c.search_runs([c.get_experiment_by_name("rayjobs").experiment_id])
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(children) == 3 and len({r.data.tags["rayjobs.run_key"] for r in children}) == 3
+    assert len(runs) == 4

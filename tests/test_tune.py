@@ -96,3 +96,28 @@ def test_asha_search_on_digits_with_mlflow_parent_and_children(ray_cluster, mlfl
         summary["best_trial"],
         [(t["id"], t["status"]) for t in trials],
     )
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_pbt_exploit_restores_the_other_trials_checkpoint(ray_cluster, tmp_path):
+    cfg = load_config(
+        TUNE,
+        [
+            f"run.storage_path={tmp_path}",
+            "training.epochs=2",
+            "training.eval_every=10",
+            "tune.num_samples=2",
+            "tune.scheduler=pbt",
+            "tune.max_concurrent_trials=2",
+            "tracking.enabled=false",
+            "tune.space={optim.lr: {choice: [0.00002, 0.01]}}",
+        ],
+    )
+    summary = tune.run_search(cfg)
+    exploits = [e for t in summary["trials"] for e in t["exploits"]]
+    assert exploits, [(t["id"], t["config"], t["steps"]) for t in summary["trials"]]
+    e = exploits[0]
+    assert e["cloned_from"] != e["trial_id"]
+    assert f"/{e['cloned_from']}/checkpoint_" in e["checkpoint"]  # the other trial's Train checkpoint
+    assert all(t["steps"] == 38 for t in summary["trials"])
