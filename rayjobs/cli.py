@@ -162,7 +162,8 @@ def _checkpoints(args: argparse.Namespace) -> None:
 
     from rayjobs.checkpoint import list_checkpoints
 
-    run_dir = args.run if os.path.isdir(args.run) else os.path.join(args.storage_path, args.run)
+    named = os.path.join(args.storage_path, args.run)
+    run_dir = named if os.path.isdir(named) else args.run
     if not os.path.isdir(run_dir):
         raise ConfigError(f"checkpoints: no run directory {args.run!r} (nor {run_dir}); give a run directory or name")
     infos = list_checkpoints(run_dir)

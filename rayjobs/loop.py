@@ -266,9 +266,9 @@ def start_metrics_logger(cfg: RunConfig, ctx: WorkerContext, resolved: dict[str,
     info = resolved.get("mlflow")
     if not ctx.is_main or not cfg.tracking.enabled or not info:
         return None
-    from rayjobs.tracking import MetricsLogger
+    from rayjobs.tracking import MetricsLogger, next_attempt
 
-    return MetricsLogger(cfg, info.get("run_id"), info["run_key"], info["spool"])
+    return MetricsLogger(cfg, info.get("run_id"), info["run_key"], info["spool"], attempt=next_attempt(cfg.run_dir))
 
 
 def resume(

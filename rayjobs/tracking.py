@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -170,7 +169,9 @@ def _git_commit() -> str | None:
 
 
 class MetricsLogger:
-    """Rank 0's MLflow logger: ``log`` never blocks; a thread sends batches, spools when the server is away.
+    """Rank 0's MLflow logger. ``log`` appends to a spool file on disk (a crash loses nothing) and
+    returns; a thread sends the spool in batches every few seconds, and keeps it while the server
+    is away.
 
     Points are keyed by global step. A point whose step is not beyond what the run already had
     when this attempt connected (tag ``rayjobs.last_logged_step``), or not beyond the last step
@@ -179,58 +180,59 @@ class MetricsLogger:
 
     FLUSH_EVERY_S = 2.0
 
-    def __init__(self, cfg: Any, run_id: str | None, run_key: str, spool_path: str) -> None:
+    def __init__(self, cfg: Any, run_id: str | None, run_key: str, spool_path: str, attempt: int | None = None) -> None:
         self.cfg, self.uri, self.run_id, self.run_key = cfg, tracking_uri(cfg), run_id, run_key
         self.spool = Path(spool_path)
-        self.queue: queue.Queue[tuple[dict[str, float], int] | None] = queue.Queue()
+        self.sending = pending_path(spool_path)
+        self.attempt = attempt  # this training start's number (None: a replay, not a start)
         self.last_step: int | None = None  # the run's tag when this attempt connected
         self.key_step: dict[str, int] = {}  # last step sent, per metric key
         self.warned = False
         self.sent_points = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayjobs-mlflow", daemon=True)
         self._thread.start()
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Queue metrics at ``step`` (numbers only); returns at once."""
+        """Append metrics at ``step`` (numbers only) to the spool; returns at once."""
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-        if clean:
-            self.queue.put((clean, step))
+        if not clean:
+            return
+        line = json.dumps({"step": step, "metrics": clean, "t": int(time.time() * 1000)}) + "\n"
+        with self._lock:
+            self.spool.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.spool, "a") as f:
+                f.write(line)
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Flush what is queued (or spool it); True when everything reached the server."""
+        """Send what is spooled; True when everything reached the server (else it stays on disk)."""
         self._stop.set()
         self._thread.join(timeout)
-        return not self.spool.exists() and self.queue.empty()
+        return not self.spool.exists() and not self.sending.exists()
 
     # -- the sending thread -----------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
             stopping = self._stop.wait(self.FLUSH_EVERY_S)
-            batch = self._drain()
-            if batch:
-                self._append_spool(batch)
-            if self.spool.exists():
+            self._rotate()
+            if self.sending.exists():
                 self._send_spool()
-            if stopping and self.queue.empty():
+            if stopping:
                 return
 
-    def _drain(self) -> list[tuple[dict[str, float], int]]:
-        out = []
-        while True:
-            try:
-                item = self.queue.get_nowait()
-            except queue.Empty:
-                return out
-            if item is not None:
-                out.append(item)
-
-    def _append_spool(self, batch: list[tuple[dict[str, float], int]]) -> None:
-        self.spool.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.spool, "a") as f:
-            for metrics, step in batch:
-                f.write(json.dumps({"step": step, "metrics": metrics, "t": int(time.time() * 1000)}) + "\n")
+    def _rotate(self) -> None:
+        """Move what ``log`` appended into the file being sent (appending if one is still there)."""
+        with self._lock:
+            if not self.spool.exists():
+                return
+            if self.sending.exists():
+                with open(self.sending, "a") as out:
+                    out.write(self.spool.read_text())
+                self.spool.unlink()
+            else:
+                os.replace(self.spool, self.sending)
 
     def _connect(self) -> None:
         if self.run_id is None:
@@ -239,8 +241,8 @@ class MetricsLogger:
             c = client(self.uri)
             tags = c.get_run(self.run_id).data.tags
             self.last_step = int(tags.get(LAST_STEP_TAG, -1))
-            attempt = int(tags.get(ATTEMPT_TAG, 0)) + 1
-            c.set_tag(self.run_id, ATTEMPT_TAG, str(attempt))
+            if self.attempt is not None and self.attempt > int(tags.get(ATTEMPT_TAG, 0)):
+                c.set_tag(self.run_id, ATTEMPT_TAG, str(self.attempt))
 
     def _send_spool(self) -> None:
         """Send the spool in order, then remove it; on failure keep it and warn once."""
@@ -248,7 +250,7 @@ class MetricsLogger:
 
         try:
             self._connect()
-            lines = [json.loads(line) for line in self.spool.read_text().splitlines() if line.strip()]
+            lines = [json.loads(line) for line in self.sending.read_text().splitlines() if line.strip()]
             points, seen = [], dict(self.key_step)  # `seen` also drops replays inside the spool
             for e in lines:
                 for k, v in e["metrics"].items():
@@ -263,7 +265,7 @@ class MetricsLogger:
                 for m in chunk:  # sent: never again, even if a later chunk fails and the spool stays
                     self.key_step[m.key] = max(self.key_step.get(m.key, -1), m.step)
                 self.sent_points += len(chunk)
-            self.spool.unlink()
+            self.sending.unlink()
             if self.warned:
                 _log(f"MLflow is reachable again: replayed the spooled metrics to run {self.run_id}")
                 self.warned = False
@@ -274,6 +276,25 @@ class MetricsLogger:
                     f"warning: MLflow at {self.uri} is unavailable ({type(exc).__name__}); training goes on, "
                     f"metrics are spooled to {self.spool} and replayed when it is back"
                 )
+
+
+def next_attempt(run_dir: str | os.PathLike[str]) -> int:
+    """Count one more start of a run (a file in its directory; works while MLflow is away)."""
+    path = Path(run_dir, ".attempts")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    n = int(path.read_text() or 0) + 1 if path.exists() else 1
+    path.write_text(str(n))
+    return n
+
+
+def pending_path(spool_path: str | os.PathLike[str]) -> Path:
+    """The spool file being sent (what ``log`` appended is moved there before sending)."""
+    return Path(f"{spool_path}.sending")
+
+
+def has_pending(spool_path: str | os.PathLike[str]) -> bool:
+    """Whether a run has spooled metrics that have not reached the server."""
+    return Path(spool_path).exists() or pending_path(spool_path).exists()
 
 
 def log_final(cfg: Any, run_id: str, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:

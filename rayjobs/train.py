@@ -306,7 +306,8 @@ def finish_tracking(
     while True:
         try:
             run_id = run_id or tracking.find_or_create_run(cfg, cfg.run_dir)
-            if os.path.exists(spool) and not tracking.MetricsLogger(cfg, run_id, cfg.run_dir, spool).close(30):
+            replay = tracking.has_pending(spool)
+            if replay and not tracking.MetricsLogger(cfg, run_id, cfg.run_dir, spool).close(30):
                 raise ConnectionError("spool not replayed")
             if failed:
                 tracking.client(tracking.tracking_uri(cfg)).set_terminated(run_id, "FAILED")

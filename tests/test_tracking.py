@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import free_port
 
-from rayjobs import train
+from rayjobs import tracking, train
 from rayjobs.config import load_config
 from rayjobs.tracking import ATTEMPT_TAG, MODEL_URI_TAG, RUN_KEY_TAG, client, flatten
 
@@ -143,7 +143,7 @@ def test_server_down_for_30s_mid_run_loses_no_metric(tmp_path):
         assert len(runs) == 1 and runs[0].info.run_id == summary["mlflow_run_id"]
         total = summary["metrics"]["step"]
         assert _steps(c, runs[0].info.run_id, "train/step_loss") == list(range(5, int(total) + 1, 5))
-        assert not (tmp_path / "outage" / ".mlflow-spool.jsonl").exists()
+        assert not tracking.has_pending(tmp_path / "outage" / ".mlflow-spool.jsonl")
         assert started < outage["down_at"]
     finally:
         server.stop(proc)
@@ -201,3 +201,17 @@ def test_local_default_store_needs_no_server(tmp_path):
     mlflow.set_tracking_uri(uri)
     model = mlflow.pytorch.load_model(runs[0].data.tags[MODEL_URI_TAG])
     assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_a_crash_loses_no_metric_and_the_rerun_continues_the_same_run(tmp_path):
+    from rayjobs.errors import TrainingFailed
+
+    overrides = [f"run.storage_path={tmp_path}", "run.name=crash", "scaling.num_workers=0", "training.epochs=3",
+                 "training.batch_size=32", "checkpoint.every_steps=10", "tracking.log_every=5", "faults.raise_at_step=53"]
+    with pytest.raises(TrainingFailed):
+        train.run(load_config(None, overrides))
+    summary = train.run(load_config(None, overrides))
+    c, runs = _runs(f"sqlite:///{tmp_path}/mlflow.db", "rayjobs")
+    assert [r.info.run_id for r in runs] == [summary["mlflow_run_id"]]
+    assert _steps(c, runs[0].info.run_id, "train/step_loss") == list(range(5, 117, 5))
+    assert runs[0].data.tags[ATTEMPT_TAG] == "2"
