@@ -21,32 +21,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rayjobs", description="Ray-orchestrated scalable PyTorch trainer.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train one run with Ray Train (TorchTrainer)")
-    train.add_argument("--config", help="YAML config (default: the shipped digits job)")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one field by dotted path, e.g. --set optim.lr=1e-3 (repeatable)",
-    )
-    train.add_argument("--summary", metavar="PATH", help="write the run summary as JSON here")
+    _add_config_args(train, "YAML config (default: the shipped digits job)", "the run summary")
     train.add_argument("--resume-from", metavar="CHECKPOINT", help="resume from this checkpoint directory")
-    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
     tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune around the same training run")
-    tune.add_argument("--config", help="YAML config with a tune: section")
-    tune.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one field by dotted path (repeatable)",
-    )
-    tune.add_argument("--summary", metavar="PATH", help="write the search summary as JSON here")
+    _add_config_args(tune, "YAML config with a tune: section", "the search summary")
     tune.add_argument("--resume", action="store_true", help="resume the search after its driver died")
-    tune.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
     listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
     listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
@@ -77,6 +57,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", default="results/bench.json", help="where to write the figures")
     bench.add_argument("--chart", metavar="PATH", help="PNG chart (default: beside --json)")
     return parser
+
+
+def _add_config_args(parser: argparse.ArgumentParser, config_help: str, summary_what: str) -> None:
+    """--config, --set, --summary and --print-config: the same for every command that reads a run config."""
+    parser.add_argument("--config", help=config_help)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one field by dotted path, e.g. --set optim.lr=1e-3 (repeatable)",
+    )
+    parser.add_argument("--summary", metavar="PATH", help=f"write {summary_what} as JSON here")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,9 +89,6 @@ def space_problems(cfg: RunConfig) -> list[str]:
     if cfg.tune.scheduler == "pbt":
         if not cfg.tune.space:
             problems.append("tune.space: pbt needs at least one hyperparameter to mutate")
-        for path, spec in cfg.tune.space.items():
-            if isinstance(spec, dict) and "grid" in spec:
-                problems.append(f"tune.space.{path}: pbt cannot mutate a grid; use choice")
     return problems
 
 
@@ -356,7 +353,10 @@ def _scheduler(cfg: RunConfig, steps: int, layout: dict[str, Any]) -> Any:
         return PopulationBasedTraining(
             time_attr="step",
             perturbation_interval=layout["perturbation_interval"],
-            hyperparam_mutations={p: tune_domain(s) for p, s in t.space.items()},
+            # A grid sets the starting population; mutations then draw from its values.
+            hyperparam_mutations={
+                p: tune_domain({"choice": s["grid"]} if "grid" in s else s) for p, s in t.space.items()
+            },
             quantile_fraction=0.5,
             resample_probability=0.5,
         )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, subprocess_env
+from conftest import REPO, checkpoint_weights, subprocess_env
 
 from rayjobs import checkpoint as ckpt
 from rayjobs import train
@@ -36,10 +36,7 @@ def cfg_for(tmp_path: Path, name: str, *extra: str):
     return load_config(None, [*BASE, f"run.storage_path={tmp_path}", f"run.name={name}", *extra])
 
 
-def weights(path: str) -> dict[str, torch.Tensor]:
-    out = Path(path).parent / (Path(path).name + ".pt")
-    ckpt.export_weights(path, out)
-    return torch.load(out, weights_only=True)
+weights = checkpoint_weights
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import checkpoint_weights
 
 from rayjobs import checkpoint as ckpt
 from rayjobs import train
@@ -29,10 +30,7 @@ def cfg_for(root: Path, name: str, *extra: str):
     return load_config(None, [*BASE, f"run.storage_path={root}", f"run.name={name}", *extra])
 
 
-def weights(path: str) -> dict[str, torch.Tensor]:
-    out = Path(path).parent / (Path(path).name + ".pt")
-    ckpt.export_weights(path, out)
-    return torch.load(out, weights_only=True)
+weights = checkpoint_weights
 
 
 @pytest.fixture(scope="module")

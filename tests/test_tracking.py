@@ -206,8 +206,16 @@ def test_local_default_store_needs_no_server(tmp_path):
 def test_a_crash_loses_no_metric_and_the_rerun_continues_the_same_run(tmp_path):
     from rayjobs.errors import TrainingFailed
 
-    overrides = [f"run.storage_path={tmp_path}", "run.name=crash", "scaling.num_workers=0", "training.epochs=3",
-                 "training.batch_size=32", "checkpoint.every_steps=10", "tracking.log_every=5", "faults.raise_at_step=53"]
+    overrides = [
+        f"run.storage_path={tmp_path}",
+        "run.name=crash",
+        "scaling.num_workers=0",
+        "training.epochs=3",
+        "training.batch_size=32",
+        "checkpoint.every_steps=10",
+        "tracking.log_every=5",
+        "faults.raise_at_step=53",
+    ]
     with pytest.raises(TrainingFailed):
         train.run(load_config(None, overrides))
     summary = train.run(load_config(None, overrides))
