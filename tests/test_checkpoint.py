@@ -216,3 +216,42 @@ def test_cli_lists_and_exports(tmp_path, uninterrupted):
         timeout=120,
     )
     assert bad.returncode == 2 and "no manifest" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sigterm_takes_a_checkpoint_then_exits(tmp_path):
+    """Preemption in local mode: SIGTERM -> a checkpoint at the next step -> the process ends by SIGTERM."""
+    import signal
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "rayjobs.train",
+        "--set",
+        "scaling.num_workers=0",
+        "--set",
+        "training.epochs=40",
+        "--set",
+        "checkpoint.every_steps=1000",
+        "--set",
+        "checkpoint.every_epochs=0",
+        "--set",
+        "tracking.enabled=false",
+        "--set",
+        f"run.storage_path={tmp_path}",
+        "--set",
+        "run.name=preempted",
+        "--set",
+        "training.log_every=5",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for line in proc.stdout:  # wait until it is training
+        if "[rayjobs] step " in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = proc.stdout.read()
+    assert proc.wait(timeout=60) == -signal.SIGTERM, out[-2000:]
+    assert "preemption notice: taking a checkpoint now" in out
+    latest = ckpt.latest_complete(tmp_path / "preempted", warn=False)
+    assert latest is not None and 0 < latest.step < 40 * (1257 // 64)
