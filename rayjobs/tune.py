@@ -292,6 +292,9 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 name=layout["name"],
                 storage_path=cfg.storage_path,
                 verbose=0,
+                # A trial whose Train run failed (a controller that died, a lost node) is retried:
+                # it resumes from its own checkpoints, so a retry costs only the lost steps.
+                failure_config=tune.FailureConfig(max_failures=2),
                 callbacks=[ProgressLine(cfg.tune.metric, cfg.tune.mode)],
             ),
         )
