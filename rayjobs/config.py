@@ -143,6 +143,13 @@ class ScalingSection(Section):
 REPORTED_METRICS = ("val/loss", "val/accuracy", "train/loss")
 
 
+def reported_metric(name: str) -> str:
+    """``name`` if every eval report carries it, else a ValueError listing the ones that do."""
+    if name not in REPORTED_METRICS:
+        raise ValueError(f"must be one of {', '.join(REPORTED_METRICS)} (what every eval reports), got {name!r}")
+    return name
+
+
 class CheckpointSection(Section):
     model_config = ConfigDict(
         extra="forbid",
@@ -166,9 +173,7 @@ class CheckpointSection(Section):
     @field_validator("metric")
     @classmethod
     def _known_metric(cls, v: str) -> str:
-        if v not in REPORTED_METRICS:
-            raise ValueError(f"must be one of {', '.join(REPORTED_METRICS)}, got {v!r}")
-        return v
+        return reported_metric(v)
 
 
 class FaultsSection(Section):
@@ -238,9 +243,7 @@ class TuneSection(Section):
     @field_validator("metric")
     @classmethod
     def _known_metric(cls, v: str) -> str:
-        if v not in REPORTED_METRICS:
-            raise ValueError(f"must be one of {', '.join(REPORTED_METRICS)} (what every trial reports), got {v!r}")
-        return v
+        return reported_metric(v)
 
     @field_validator("space", mode="before")
     @classmethod

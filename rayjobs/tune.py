@@ -397,11 +397,10 @@ def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int,
 
     trials = []
     for r in results:
-        trial_id = Path(r.path).name.split("_")[1] if r.path and "_" in Path(r.path).name else None
         metrics = {
             k: v for k, v in (r.metrics or {}).items() if isinstance(v, (int, float)) and ("/" in k or k == "step")
         }
-        trial_id = (r.metrics or {}).get("trial_id", trial_id)
+        trial_id = (r.metrics or {}).get("trial_id")  # Tune adds it to every result
         run_dir = os.path.join(layout["train_storage"], str(trial_id))
         exploits_file = Path(run_dir, "pbt_exploits.jsonl")
         exploits = [json.loads(x) for x in exploits_file.read_text().splitlines()] if exploits_file.exists() else []
