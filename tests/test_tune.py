@@ -107,11 +107,14 @@ def test_pbt_exploit_restores_the_other_trials_checkpoint(ray_cluster, tmp_path)
             f"run.storage_path={tmp_path}",
             "training.epochs=2",
             "training.eval_every=10",
-            "tune.num_samples=2",
+            "tune.num_samples=1",
             "tune.scheduler=pbt",
             "tune.max_concurrent_trials=2",
             "tracking.enabled=false",
-            "tune.space={optim.lr: {choice: [0.00002, 0.01]}}",
+            # A grid, so the two trials surely differ: the lr=2e-5 one stays in the lower half and
+            # must clone the other by step 30 at the latest (async PBT needs the upper trial to have
+            # saved at an earlier perturbation point).
+            "tune.space={optim.lr: {grid: [0.00002, 0.01]}}",
         ],
     )
     summary = tune.run_search(cfg)
