@@ -62,7 +62,17 @@ def register(bench: Benchmark) -> Benchmark:
 
 def load_all() -> dict[str, Benchmark]:
     """Import every benchmark module (each registers itself)."""
-    from benchmarks import checkpointing, compute, gpu, orchestration, overhead, scaling, tracking  # noqa: F401
+    from benchmarks import (  # noqa: F401
+        checkpointing,
+        compute,
+        gpu,
+        orchestration,
+        overhead,
+        parallelism,
+        scaling,
+        search,
+        tracking,
+    )
 
     return BENCHMARKS
 

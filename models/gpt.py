@@ -1,7 +1,8 @@
 """A decoder-only transformer (GPT style): pre-norm blocks, causal attention, untied head.
 
 Layout follows torchtitan so that parallelism can be applied from outside: the blocks live in
-``layers`` (a ModuleList, split points for pipeline stages), and attention reads its head count
+``layers`` (a ModuleDict keyed by index: the split points of pipeline stages), parts may be
+absent (None) so that a stage is the model minus the other stages' parts, and attention reads its head count
 from the local projection width, so a column-sharded ``q_proj`` under tensor parallelism works
 unchanged. The TP plan and pipeline split are plain data in the spec (``extra``).
 """
@@ -73,20 +74,26 @@ class GPT(nn.Module):
         self.vocab_size, self.max_seq_len = vocab_size, max_seq_len
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.pos_embeddings = nn.Embedding(max_seq_len, dim)
-        self.layers = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
+        # A dict keyed "0".."n-1": a pipeline stage drops the others and keeps these names.
+        self.layers = nn.ModuleDict({str(i): Block(dim, n_heads) for i in range(n_layers)})
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab_size, bias=False)
         self.apply(_init_weights)
 
     def forward(self, tokens: Tensor) -> Tensor:
-        t = tokens.shape[1]
-        if t > self.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
-        pos = torch.arange(t, device=tokens.device)
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(pos)
-        for layer in self.layers:
+        # Parts set to None are absent (a pipeline stage holds a slice): the input is then the
+        # previous part's hidden state, and the output is this slice's.
+        h = tokens
+        if self.tok_embeddings is not None:
+            t = tokens.shape[1]
+            if t > self.max_seq_len:
+                raise ValueError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
+            h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(t, device=tokens.device))
+        for layer in self.layers.values():
             h = layer(h)
-        return self.output(self.norm(h))
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -147,6 +154,11 @@ register(
         default_flavor="small",
         description="decoder-only transformer for next-token prediction",
         flops_per_sample=training_flops_per_sample,
-        extra={"tp_plan": TP_PLAN, "layers_attr": "layers"},
+        extra={
+            "tp_plan": TP_PLAN,
+            "layers_attr": "layers",
+            # Pipeline split: the first stage keeps the embeddings, the last the norm and head.
+            "pipeline": {"first": ["tok_embeddings", "pos_embeddings"], "last": ["norm", "output"]},
+        },
     )
 )

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rayjobs.parallel import WorkerContext
 
@@ -45,6 +45,10 @@ CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8})$")
 
 # DCP warns when it saves or loads in one process; in local mode that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+# Optimizer state keyed per parameter (``state.<fqn>.exp_avg``, ``param_groups.<fqn>.lr``): pipeline
+# stages hold different parameters, and a per-group list would collide across ranks in DCP.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class CheckpointError(RuntimeError):
@@ -254,7 +258,7 @@ class Saver:
         if _any_rank(bool(failed), self.ctx):
             self._fail(step, path, failed or "another rank could not write")
         try:
-            msd, osd = get_state_dict(model, optimizer)
+            msd, osd = get_state_dict(model, optimizer, options=FLAT)
             torch.save(rng_state(), path / f"rank_{self.ctx.rank}.pt")
             no_dist = not _distributed(self.ctx)
             if self.async_save and not force_sync:
@@ -380,10 +384,10 @@ def load(
         raise CheckpointError(f"checkpoint {p} is not usable: {problem}")
     state = json.loads((p / STATE).read_text())
     if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=FLAT)
         sd = {"model": msd, "optim": osd}
         dcp.load(sd, checkpoint_id=str(p), no_dist=not _distributed(ctx))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=FLAT)
     else:
         sd = {"model": model.state_dict()}
         dcp.load(sd, checkpoint_id=str(p), no_dist=not _distributed(ctx))

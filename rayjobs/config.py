@@ -110,6 +110,9 @@ class ScalingSection(Section):
     resources_per_worker: dict[str, float] = Field(
         default_factory=dict, description="Ray resources per worker, e.g. {CPU: 1, GPU: 1}."
     )
+    accelerator_type: str = Field(
+        "", description="Pin workers to this GPU type (Ray's accelerator_type, e.g. H100, A100); empty: any."
+    )
 
     @field_validator("num_workers", mode="before")
     @classmethod
@@ -138,6 +141,42 @@ class ScalingSection(Section):
             if amount < 0:
                 raise ValueError(f"{key} must be >= 0, got {amount}")
         return v
+
+
+STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp", "fsdp+tp", "pp+dp", "dataparallel")
+
+
+class ParallelSection(Section):
+    """How the model and the data are split over the workers (see rayjobs/strategies.py).
+
+    Degrees left at 0 are derived from ``strategy`` and the world size; their product is the world size.
+    """
+
+    strategy: Literal["ddp", "fsdp", "hsdp", "tp", "pp", "fsdp+tp", "pp+dp", "dataparallel"] = Field(
+        "ddp",
+        description=(
+            "ddp | fsdp (FSDP2) | hsdp (2-D: replicate x shard) | tp | pp | fsdp+tp | pp+dp | dataparallel "
+            "(one worker drives all its node's GPUs through nn.DataParallel)."
+        ),
+    )
+    dp_replicate: int = Field(0, ge=0, description="Replicas (DDP, or HSDP's outer dimension); 0 = derived.")
+    dp_shard: int = Field(0, ge=0, description="FSDP2 shards per replica; 0 = derived.")
+    tp: int = Field(0, ge=0, description="Tensor-parallel degree (must divide the heads); 0 = derived.")
+    pp: int = Field(0, ge=0, description="Pipeline stages (at most the model's layers); 0 = derived.")
+    pp_schedule: Literal["gpipe", "1f1b"] = Field("1f1b", description="Pipeline schedule.")
+    microbatches: int = Field(0, ge=0, description="Pipeline micro-batches per step; 0 = 2 x stages.")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        "none", description="Recompute activations in backward: every block (full) or every ac_every-th block."
+    )
+    ac_every: int = Field(2, ge=1, description="With activation_checkpointing=selective: every N-th block.")
+    compile: bool = Field(False, description="torch.compile each block (after TP and checkpointing, before FSDP).")
+    fsdp_param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="FSDP2 parameter dtype in compute (reduce stays fp32); auto: bf16 on GPU, fp32 on CPU."
+    )
+    cpu_offload: bool = Field(False, description="FSDP2: keep parameters, gradients and optimizer state on CPU.")
+    allow_mixed_devices: bool = Field(
+        False, description="Unlike devices across workers only warn (instead of failing before training)."
+    )
 
 
 REPORTED_METRICS = ("val/loss", "val/accuracy", "train/loss")
@@ -185,6 +224,9 @@ class FaultsSection(Section):
     nan_rank: int = Field(0, ge=0, description="Rank whose loss nan_at_step makes NaN.")
     nan_at_step: int = Field(0, ge=0, description="Make the loss NaN on nan_rank at this step; 0 = off.")
     corrupt_latest_checkpoint: bool = Field(False, description="Corrupt the newest checkpoint before resuming, once.")
+    oom_at_step: int = Field(
+        0, ge=0, description="Ask the allocator for far too much memory on rank 0 at this step; 0 = off."
+    )
 
 
 class TrackingSection(Section):
@@ -290,6 +332,7 @@ class RunConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     tracking: TrackingSection = Field(default_factory=TrackingSection)
     failure: FailureSection = Field(default_factory=FailureSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
     tune: TuneSection = Field(default_factory=TuneSection)
     faults: FaultsSection = Field(default_factory=FaultsSection)
 

@@ -89,12 +89,23 @@ class DataSpec:
     load: Callable[..., Splits]
     kind: Callable[[dict[str, Any]], str]
     description: str
+    info: Callable[[dict[str, Any]], DataInfo]
 
 
 DATASETS: dict[str, DataSpec] = {
-    "digits": DataSpec("digits", digits, lambda kw: "image", "scikit-learn's 1,797 8x8 digit images"),
+    "digits": DataSpec(
+        "digits",
+        digits,
+        lambda kw: "image",
+        "scikit-learn's 1,797 8x8 digit images",
+        lambda kw: DataInfo(kind="image", input_shape=(1, 8, 8), num_classes=10),
+    ),
     "synthetic": DataSpec(
-        "synthetic", synthetic, lambda kw: kw.get("kind", "image"), "random images or patterned tokens"
+        "synthetic",
+        synthetic,
+        lambda kw: kw.get("kind", "image"),
+        "random images or patterned tokens",
+        lambda kw: synthetic(**{**kw, "num_samples": 1}).info,
     ),
 }
 
@@ -104,6 +115,11 @@ SYNTHETIC_KINDS = ("image", "tokens")
 def load(name: str, kwargs: dict[str, Any]) -> Splits:
     """Load the named dataset with its kwargs."""
     return DATASETS[name].load(**kwargs)
+
+
+def data_info(name: str, kwargs: dict[str, Any]) -> DataInfo:
+    """What a model needs to know about the named dataset, without loading it."""
+    return DATASETS[name].info(kwargs)
 
 
 def accepted_kwargs(fn: Callable[..., Any]) -> list[str] | None:

@@ -13,3 +13,8 @@ class ConfigError(Exception):
 
 class TrainingFailed(Exception):
     """The training itself failed (exit status 1), as opposed to a bad config (status 2)."""
+
+
+class ExplainedFailure(RuntimeError):
+    """A failure during training whose message already says what happened and what to try
+    (an out-of-memory, unlike devices): shown as one line, without a traceback."""

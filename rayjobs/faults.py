@@ -11,6 +11,8 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
 from rayjobs.checkpoint import latest_complete, write_marker
 from rayjobs.config import FaultsSection
 from rayjobs.parallel import WorkerContext
@@ -46,6 +48,12 @@ class Faults:
         return (
             c.nan_at_step == step and c.nan_rank == self.ctx.rank and self._once(f"nan_rank{self.ctx.rank}_step{step}")
         )
+
+    def oom_now(self, step: int) -> None:
+        """At ``oom_at_step`` on rank 0 (once), ask the allocator for far more memory than exists."""
+        c = self.cfg
+        if c.oom_at_step == step and self.ctx.rank == 0 and self._once(f"oom_step{step}"):
+            torch.empty(2**50, dtype=torch.uint8, device=self.ctx.device)  # 1 PiB: a real allocator failure
 
     def corrupt_latest(self, run_dir: str) -> str | None:
         """Truncate the largest shard of the newest complete checkpoint, once; return its path."""

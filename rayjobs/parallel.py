@@ -21,11 +21,23 @@ class WorkerContext:
     world_size: int
     local_rank: int
     device: torch.device
+    # Set by rayjobs.strategies.apply: ranks that share a model replica (tensor or pipeline
+    # parallel) share a data shard, and one rank per replica counts its loss and accuracy.
+    dp_rank: int | None = None
+    dp_size: int | None = None
+    counts_metrics: bool = True
 
     @property
     def is_main(self) -> bool:
         """True on the rank that prints, saves and reports what is shared."""
         return self.rank == 0
+
+    @property
+    def data_shard(self) -> tuple[int, int]:
+        """(this rank's data shard, number of shards): its data-parallel rank and degree."""
+        if self.dp_size is None:
+            return self.rank, self.world_size
+        return int(self.dp_rank or 0), self.dp_size
 
     @classmethod
     def from_process_group(cls, device: torch.device | None = None) -> WorkerContext:

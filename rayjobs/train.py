@@ -38,7 +38,24 @@ def append_history(path: str, metrics: dict[str, Any]) -> None:
     """Append one report's numeric metrics to the run's ``metrics.jsonl``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "a") as f:
-        f.write(json.dumps({k: v for k, v in metrics.items() if isinstance(v, (int, float))}) + "\n")
+        entry = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        f.write(json.dumps({**entry, "time": time.time()}) + "\n")
+
+
+def record_event(run_dir: str, event: str, **fields: Any) -> None:
+    """Append ``{event, time, ...}`` to the run's ``events.jsonl`` (start and first-step times)."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
+def read_events(run_dir: str, event: str) -> list[dict[str, Any]]:
+    """Every ``event`` entry of the run's ``events.jsonl``, oldest first."""
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [e for e in map(json.loads, filter(str.strip, f)) if e.get("event") == event]
 
 
 def read_history(path: str) -> list[dict[str, Any]]:
@@ -89,11 +106,15 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
         num_workers = s.num_workers
     resources = dict(s.resources_per_worker) or {"CPU": 1.0}
     plan = ScalingPlan(num_workers, use_gpu, resources)
-    problems = []
-    parts = plan.world_size * cfg.training.grad_accum
+    from rayjobs.strategies import layout_problems, resolve_layout
+
+    problems = layout_problems(cfg, plan.world_size, use_gpu)
+    replicas = resolve_layout(cfg.parallel, plan.world_size).dp if not problems else plan.world_size
+    parts = replicas * cfg.training.grad_accum
     if cfg.training.batch_size % parts:
+        who = "workers" if replicas == plan.world_size else "data-parallel replicas"
         problems.append(
-            f"training.batch_size: must be a multiple of workers ({plan.world_size}) x grad_accum "
+            f"training.batch_size: must be a multiple of {who} ({replicas}) x grad_accum "
             f"({cfg.training.grad_accum}) = {parts}, got {cfg.training.batch_size}"
         )
     if cfg.training.precision == "fp16" and not use_gpu:
@@ -107,6 +128,21 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def print_memory_estimate(cfg: RunConfig, plan: ScalingPlan) -> float | None:
+    """Print what one rank will hold (parameters, gradients, optimizer state, activations); return the total."""
+    from rayjobs.memory import estimate
+    from rayjobs.strategies import resolve_layout
+
+    layout = resolve_layout(cfg.parallel, plan.world_size)
+    try:
+        est = estimate(cfg, layout, plan.use_gpu)
+    except Exception as exc:  # noqa: BLE001 - a user's model may not run on the meta device
+        print(f"rayjobs: no memory estimate ({cfg.model.name} does not run on the meta device: {exc})", flush=True)
+        return None
+    print(f"rayjobs: {est.format(layout)}", flush=True)
+    return est.total
 
 
 def check_resume_from(cfg: RunConfig) -> None:
@@ -189,6 +225,7 @@ def run(
 
     run_dir = os.path.join(cfg.storage_path, cfg.run.name)
     history_path = os.path.join(run_dir, "metrics.jsonl")
+    estimate = print_memory_estimate(cfg, plan)
     if local_mode:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
@@ -201,6 +238,7 @@ def run(
         "local_mode": local_mode,
         "local_history_path": history_path if local_mode else None,
         "stop_at_step": stop_at_step,
+        "memory_estimate_bytes": estimate,
         "mlflow": {"run_id": mlflow_run_id, "run_key": run_dir, "spool": os.path.join(run_dir, ".mlflow-spool.jsonl")},
     }
     trainer = TorchTrainer(
@@ -210,6 +248,7 @@ def run(
             num_workers=plan.num_workers,
             use_gpu=plan.use_gpu,
             resources_per_worker=plan.resources_per_worker,
+            accelerator_type=cfg.scaling.accelerator_type or None,
         ),
         run_config=RayRunConfig(
             name=cfg.run.name,
@@ -226,6 +265,8 @@ def run(
             raise result.error
     except Exception as exc:  # TrainingFailedError and friends: the training itself failed
         finish_tracking(cfg, mlflow_run_id, None, failed=True)
+        if _explained(exc):  # its message says it all: no traceback
+            raise TrainingFailed(_first_line(exc)) from None
         raise TrainingFailed(_first_line(exc)) from exc
     ended = result.return_value or {}
     if ended.get("stopped") == "nan":
@@ -325,7 +366,20 @@ def finish_tracking(
             time.sleep(3)
 
 
+def _explained(exc: BaseException) -> bool:
+    from rayjobs.errors import ExplainedFailure
+
+    failures = list(getattr(exc, "worker_failures", {}).values())
+    return any(isinstance(e, ExplainedFailure) for e in [exc, *failures])
+
+
 def _first_line(exc: BaseException) -> str:
+    """One line for a failed run: a worker's own error (the last line of its traceback) when there is one."""
+    failures = getattr(exc, "worker_failures", None)
+    if failures:
+        rank = min(failures)
+        lines = str(failures[rank]).strip().splitlines()
+        return f"rank {rank}: {lines[-1] if lines else type(failures[rank]).__name__}"
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text.splitlines()[0]}"
 

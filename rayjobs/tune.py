@@ -128,6 +128,7 @@ def trial_driver(params: dict[str, Any], base: dict[str, Any], layout: dict[str,
     trial_id = ray.tune.get_context().get_trial_id()
     raw = trial_config(base, params)
     raw["run"].update(name=trial_id, storage_path=layout["train_storage"])
+    train.record_event(os.path.join(layout["train_storage"], trial_id), "trial_start")
     raw["tracking"].update(register_as="", run_name=f"{layout['name']}-{trial_id}")
     # Every report carries the search metric: checkpoints are taken exactly at the evals.
     evals = raw["training"]["eval_every"]
@@ -283,9 +284,8 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 metric=cfg.tune.metric,
                 mode=cfg.tune.mode,
                 num_samples=cfg.tune.num_samples,
-                search_alg=_search_alg(cfg),
+                search_alg=_search_alg(cfg, _max_concurrent(cfg, trial_resources)),
                 scheduler=_scheduler(cfg, steps, layout),
-                max_concurrent_trials=_max_concurrent(cfg, trial_resources),
                 time_budget_s=cfg.tune.time_budget_s or None,
             ),
             run_config=tune.RunConfig(
@@ -330,12 +330,17 @@ def _max_concurrent(cfg: RunConfig, trial_resources: dict[str, float]) -> int:
     return max(1, int(total // per_trial))
 
 
-def _search_alg(cfg: RunConfig) -> Any:
+def _search_alg(cfg: RunConfig, max_concurrent: int) -> Any:
+    """The searcher, seeded from ``training.seed``: the same seed samples the same trial configs."""
+    from ray.tune.search import ConcurrencyLimiter
+
     if cfg.tune.search == "optuna":
         from ray.tune.search.optuna import OptunaSearch
 
-        return OptunaSearch(seed=cfg.training.seed)
-    return None
+        return ConcurrencyLimiter(OptunaSearch(seed=cfg.training.seed), max_concurrent=max_concurrent)
+    from ray.tune.search.basic_variant import BasicVariantGenerator
+
+    return BasicVariantGenerator(max_concurrent=max_concurrent, random_state=cfg.training.seed)
 
 
 def _scheduler(cfg: RunConfig, steps: int, layout: dict[str, Any]) -> Any:
@@ -393,7 +398,7 @@ def _start_parent(cfg: RunConfig, layout: dict[str, Any]) -> str | None:
 
 def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int, started: float) -> dict[str, Any]:
     from rayjobs import tracking
-    from rayjobs.train import read_history
+    from rayjobs.train import read_events, read_history
 
     trials = []
     for r in results:
@@ -413,6 +418,7 @@ def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int,
             except Exception:  # noqa: BLE001
                 run_id = None
         history = read_history(os.path.join(run_dir, "metrics.jsonl"))
+        starts, first_steps = read_events(run_dir, "trial_start"), read_events(run_dir, "first_step")
         trials.append(
             {
                 "id": trial_id,
@@ -423,6 +429,10 @@ def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int,
                 "exploits": exploits,
                 "steps": last_step,
                 "history": [h for h in history if cfg.tune.metric in h],
+                # Fixed cost of a trial: its driver's start to its first optimizer step.
+                "start_to_first_step_s": (
+                    round(first_steps[0]["time"] - starts[0]["time"], 2) if starts and first_steps else None
+                ),
             }
         )
     best = results.get_best_result(metric=cfg.tune.metric, mode=cfg.tune.mode, scope="all")

@@ -21,6 +21,9 @@ EXPECTED = {
     "overhead.loop_throughput_ratio",
     "checkpoint.async_blocked_fraction_gpt_small",
     "tracking.step_time_ratio_logging_every_step",
+    "tune.asha_steps_to_target_ratio",
+    "tune.trial_overhead_vs_train_start",
+    "parallel.fsdp_state_memory_ratio_gpt_debug",
 }
 
 

@@ -128,3 +128,38 @@ def test_a_failed_training_exits_1_with_the_error(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "rayjobs: training failed: RuntimeError: boom: this model always fails"
     assert 'user_model.py", line' in proc.stderr  # the model's own traceback, to debug it
+
+
+GPT_DEBUG = ["--set", "model.name=gpt", "--set", "model.flavor=debug", "--set", "data.name=synthetic"]
+GPT_DEBUG += ["--set", "data.kwargs={kind: tokens, seq_len: 16}", "--set", "scaling.use_gpu=false"]
+
+
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (
+            ["parallel.strategy=tp", "parallel.tp=3", "scaling.num_workers=3", "training.batch_size=63"],
+            "parallel.tp=3 must divide the model's 4 attention heads",
+        ),
+        (
+            ["parallel.strategy=fsdp+tp", "parallel.tp=2", "parallel.dp_shard=2", "scaling.num_workers=2"],
+            "parallel: pp x dp_replicate x dp_shard x tp = 4, but the world size is 2 (scaling.num_workers); "
+            "make them multiply to 2",
+        ),
+        (
+            ["parallel.strategy=pp", "parallel.pp=3", "scaling.num_workers=3", "training.batch_size=60"],
+            "parallel.pp=3 stages, but gpt/debug has 2 layers; use at most 2",
+        ),
+        (
+            ["parallel.strategy=dataparallel", "scaling.num_workers=2"],
+            "parallel.strategy=dataparallel: one worker drives all GPUs of its node, but the run has 2 workers; "
+            "set scaling.num_workers=1, or use strategy ddp",
+        ),
+        (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp=2 does not apply to strategy ddp; use tp or fsdp+tp"),
+    ],
+)
+def test_bad_parallel_config_is_one_line_before_ray(args, line):
+    proc = run_cli("train", *GPT_DEBUG, *[a for s in args for a in ("--set", s)])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"rayjobs: error: {line}"]
+    assert "RAY_IMPORTED=False" in proc.stdout

@@ -8,7 +8,7 @@ import pytest
 from conftest import checkpoint_weights
 
 from rayjobs import train
-from rayjobs.config import load_config
+from rayjobs.config import CONFIG_DIR, load_config
 
 pytestmark = pytest.mark.ray
 
@@ -47,3 +47,35 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
         saved
     )
     assert saved["metrics"]["test/accuracy"] == m["test/accuracy"]
+
+
+@pytest.mark.parametrize(
+    ("config", "workers", "layout"),
+    [("gpt-fsdp.yaml", 2, "fsdp: dp_shard=2"), ("gpt-fsdp-tp.yaml", 4, "fsdp+tp: dp_shard=2 x tp=2")],
+)
+def test_shipped_parallel_configs_train_on_cpu_workers(ray_cluster, tmp_path, capfd, config, workers, layout):
+    """What `rayjobs train --config rayjobs/configs/<config>` runs, on CPU workers: the loss goes down."""
+    cfg = load_config(
+        CONFIG_DIR / config,
+        [
+            f"run.storage_path={tmp_path}",
+            "model.flavor=debug",
+            "scaling.use_gpu=false",
+            f"scaling.num_workers={workers}",
+            f"scaling.resources_per_worker={{CPU: {2 / workers}}}",
+            "training.max_steps=40",
+            "training.eval_every=10",
+            "optim.lr=0.01",  # the debug model learns the token pattern in 40 steps at this rate
+            "tracking.enabled=false",
+        ],
+    )
+    summary = train.run(cfg)
+    history = [h for h in train.read_history(summary["history"]) if "val/loss" in h]
+    assert [h["step"] for h in history] == [10, 20, 30, 40]
+    assert history[-1]["train/loss"] < 0.8 * history[0]["train/loss"], history
+    assert history[-1]["val/loss"] < history[0]["val/loss"]
+    out = capfd.readouterr().out
+    assert f"memory estimate per rank ({layout})" in out
+    assert f"({layout})" in out.split("parameters;", 1)[1]  # the workers' own line names the layout
+    weights = checkpoint_weights(summary["checkpoint"])  # the sharded checkpoint loads in one process
+    assert weights["layers.0.attn.q_proj.weight"].shape == (32, 32)

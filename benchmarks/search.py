@@ -1,0 +1,141 @@
+"""Search efficiency: ASHA against random search (same trial configs, same budget) on digits, and the
+fixed cost of one trial against one ``rayjobs train`` start."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import REPO, Benchmark, Figure, register, subprocess_env
+
+TOLERANCE = 0.005  # "within 0.5% of random search's best validation accuracy"
+
+
+def _overrides(storage: str, quick: bool) -> list[str]:
+    samples, epochs = (4, 4) if quick else (8, 8)
+    return [
+        f"run.storage_path={storage}",
+        "tracking.enabled=false",
+        f"tune.num_samples={samples}",
+        f"training.epochs={epochs}",
+        "training.eval_every=19",  # one epoch of digits at batch 64
+        "tune.grace_period=19",
+        "tune.reduction_factor=2",
+        "tune.max_concurrent_trials=2",
+        "tune.space={optim.lr: {loguniform: [0.0002, 0.02]}, model.kwargs.width: {choice: [16, 32, 48]}}",
+    ]
+
+
+def _cli(args: list[str], timeout: float) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "rayjobs", *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"rayjobs {' '.join(args[:3])} ... failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+
+
+def search(scheduler: str, quick: bool) -> dict[str, Any]:
+    """One ``rayjobs tune`` search of tune-digits with this scheduler; returns its summary."""
+    with tempfile.TemporaryDirectory(prefix=f"rj-bench-{scheduler}-") as d:
+        summary = Path(d) / "summary.json"
+        args = ["tune", "--config", "rayjobs/configs/tune-digits.yaml", "--summary", str(summary)]
+        for o in [*_overrides(d, quick), f"tune.scheduler={scheduler}"]:
+            args += ["--set", o]
+        _cli(args, timeout=1200)
+        return json.loads(summary.read_text())
+
+
+def steps_to_reach(summary: dict[str, Any], target: float, metric: str = "val/accuracy") -> int | None:
+    """Training steps the whole search had spent when any trial first reported ``metric >= target``.
+
+    Reports of all trials are merged in wall-clock order; each adds the steps its trial trained
+    since its previous report. None when no report reached the target.
+    """
+    reports = []
+    for trial in summary["trials"]:
+        last = 0
+        for h in trial["history"]:
+            reports.append((h["time"], h["step"] - last, h[metric]))
+            last = h["step"]
+    spent = 0
+    for _, steps, value in sorted(reports):
+        spent += steps
+        if value >= target:
+            return spent
+    return None
+
+
+def _train_start_to_first_step() -> float:
+    """Launch ``rayjobs train`` (a fresh local Ray, one worker) and time it to its first optimizer step."""
+    from rayjobs.train import read_events
+
+    with tempfile.TemporaryDirectory(prefix="rj-bench-train-") as d:
+        started = time.time()
+        sets = [f"run.storage_path={d}", "run.name=start", "tracking.enabled=false", "training.max_steps=5"]
+        sets += ["scaling.num_workers=1", "scaling.resources_per_worker={CPU: 0.5}"]
+        _cli(["train", *[a for s in sets for a in ("--set", s)]], timeout=600)
+        return read_events(str(Path(d, "start")), "first_step")[0]["time"] - started
+
+
+def run(quick: bool) -> list[Figure]:
+    """Random search, then ASHA over the same seeded configs; then one cold ``rayjobs train``."""
+    random_summary = search("fifo", quick)
+    asha_summary = search("asha", quick)
+    best = max(h["val/accuracy"] for t in random_summary["trials"] for h in t["history"])
+    target = best * (1 - TOLERANCE)
+    random_steps = steps_to_reach(random_summary, target)
+    asha_steps = steps_to_reach(asha_summary, target)
+    reached = asha_steps is not None
+    ratio = (asha_steps if reached else asha_summary["total_steps"]) / random_steps
+    configs = [
+        sorted(json.dumps(t["config"], sort_keys=True) for t in s["trials"]) for s in (random_summary, asha_summary)
+    ]
+    same_configs = configs[0] == configs[1]
+
+    overheads = [t["start_to_first_step_s"] for s in (random_summary, asha_summary) for t in s["trials"]]
+    trial_overhead = statistics.median(o for o in overheads if o is not None)
+    train_start = _train_start_to_first_step()
+    return [
+        Figure(
+            "tune.asha_steps_to_target_ratio",
+            ratio,
+            "<= 0.7",
+            note=(
+                f"steps until a trial reached {target:.4f} (random's best {best:.4f} - 0.5%): ASHA "
+                f"{asha_steps if reached else 'never, ' + str(asha_summary['total_steps']) + ' in all'} vs random "
+                f"{random_steps}; total steps {asha_summary['total_steps']} vs {random_summary['total_steps']}; "
+                f"{len(random_summary['trials'])} trials{'' if same_configs else ', configs DIFFER'}"
+            ),
+        ),
+        Figure(
+            "tune.trial_overhead_vs_train_start",
+            trial_overhead / train_start,
+            "<= 1.0",
+            note=(
+                f"trial start to first step {trial_overhead:.1f} s (median of {len(overheads)}, 2 concurrent) vs "
+                f"`rayjobs train` launch to first step {train_start:.1f} s (Ray start included)"
+            ),
+        ),
+        Figure("tune.trial_start_to_first_step_s", trial_overhead, unit="s", ratio=False, note="median per trial"),
+    ]
+
+
+register(
+    Benchmark(
+        name="tune",
+        workload="tune-digits: lr x width, 4 (quick) or 8 trials of 4 or 8 epochs, 1 worker each, 2 at a time",
+        compares="ASHA against random search over the same seeded configs; a trial's start against `rayjobs train`",
+        run=run,
+    )
+)
