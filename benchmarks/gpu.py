@@ -1,63 +1,93 @@
-"""GPU figures (run where CUDA is present): bf16 MFU against the GPU's dense peak, tokens/s, peak memory."""
+"""GPU figures (run where CUDA is present): bf16 MFU of gpt under FSDP2 against the GPU's dense peak,
+tokens/s, and peak memory against rayjobs' estimate."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 from benchmarks.harness import Benchmark, Figure, register
 from rayjobs.telemetry import peak_flops
 
 
 def run(quick: bool) -> list[Figure]:
-    """One GPU, gpt (medium in quick mode, 1b otherwise), bf16 autocast, AdamW."""
-    from models import DataInfo, build_model, flops_per_sample
+    """One GPU, one NCCL rank, gpt (medium in quick mode, 1b otherwise) under FSDP2 with bf16
+    parameters and fp32 gradient reduction, bf16 autocast, AdamW."""
+    from models import build_model, flops_per_sample
+    from rayjobs import loop, strategies
     from rayjobs.config import from_dict
-    from rayjobs.loop import build_optimizer, train_step
+    from rayjobs.data import data_info
+    from rayjobs.memory import estimate
     from rayjobs.parallel import WorkerContext
 
     flavor, batch, seq, steps = ("medium", 8, 1024, 10) if quick else ("1b", 8, 2048, 10)
+    cfg = from_dict(
+        {
+            "model": {"name": "gpt", "flavor": flavor},
+            "data": {"name": "synthetic", "kwargs": {"kind": "tokens", "seq_len": seq, "vocab_size": 32_000}},
+            "optim": {"name": "adamw", "lr": 1e-4},
+            "training": {"precision": "bf16", "batch_size": batch},
+            "parallel": {"strategy": "fsdp"},
+        }
+    )
     device = torch.device("cuda", 0)
-    info = DataInfo("tokens", (seq,), 32_000)
-    torch.manual_seed(0)
-    model = build_model("gpt", flavor, {}, info).to(device)
-    cfg = from_dict({"optim": {"name": "adamw", "lr": 1e-4}, "training": {"precision": "bf16"}})
-    opt = build_optimizer(model, cfg)
-    ctx = WorkerContext(0, 1, 0, device)
-    x = torch.randint(0, info.num_classes, (batch, seq), device=device)
-    y = torch.roll(x, -1, 1)
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for i in range(steps + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        train_step(model, [(x, y)], opt, cfg, ctx)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
+    torch.cuda.set_device(device)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        info = data_info(cfg.data.name, cfg.data.kwargs)
+        ctx, layout = strategies.place(cfg, WorkerContext(0, 1, 0, device))
+        torch.manual_seed(0)
+        model = build_model("gpt", flavor, {}, info).to(device)
+        flops = flops_per_sample("gpt", model, info)
+        par = strategies.apply(model, cfg, ctx, layout, loop.loss_fn)
+        opt = loop.build_optimizer(par.model, cfg)
+        x = torch.randint(0, info.num_classes, (batch, seq), device=device)
+        y = torch.roll(x, -1, 1)
+        torch.cuda.reset_peak_memory_stats()
+        times = []
+        for i in range(steps + 2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loop.train_step(par.model, [(x, y)], opt, cfg, ctx)
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+        peak_mem = torch.cuda.max_memory_allocated() / 2**30
+        est = estimate(cfg, layout, use_gpu=True).total / 2**30
+    finally:
+        dist.destroy_process_group()
     step = statistics.median(times)
     name = torch.cuda.get_device_name(0)
     peak = peak_flops(name, "bf16")
-    achieved = flops_per_sample("gpt", model, info) * batch / step
+    achieved = flops * batch / step
     return [
         Figure(
             f"gpu.mfu_bf16_gpt_{flavor}",
             achieved / peak if peak else float("nan"),
             ">= 0.3",
-            note=f"{achieved / 1e12:.0f} TFLOP/s vs {name} dense bf16 peak {peak / 1e12:.0f} TFLOP/s",
+            note=f"FSDP2 bf16: {achieved / 1e12:.0f} TFLOP/s vs {name} dense bf16 peak {(peak or 0) / 1e12:.0f} TFLOP/s",
         ),
         Figure(f"gpu.tokens_per_s_gpt_{flavor}", batch * seq / step, unit="tokens/s", ratio=False),
-        Figure(f"gpu.peak_memory_gib_gpt_{flavor}", torch.cuda.max_memory_allocated() / 2**30, unit="GiB", ratio=False),
+        Figure(f"gpu.peak_memory_gib_gpt_{flavor}", peak_mem, unit="GiB", ratio=False),
+        Figure(
+            f"gpu.memory_estimate_ratio_gpt_{flavor}",
+            est / peak_mem,
+            note=f"estimate {est:.1f} GiB vs measured peak allocated {peak_mem:.1f} GiB",
+        ),
     ]
 
 
 register(
     Benchmark(
         name="gpu",
-        workload="gpt medium (quick) or 1b, 8 x seq 1024/2048, bf16 autocast, AdamW, one GPU",
-        compares="model FLOPs/s against the GPU's dense bf16 peak",
+        workload="gpt medium (quick) or 1b, 8 x seq 1024/2048, FSDP2 bf16 params + autocast, AdamW, one GPU",
+        compares="model FLOPs/s against the GPU's dense bf16 peak; measured peak memory against the estimate",
         run=run,
         needs="cuda",
     )

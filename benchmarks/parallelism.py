@@ -74,6 +74,7 @@ def _worker(rank: int, port: int, strategy: str, flavor: str, out: str) -> None:
         )
         if rank == 0:
             Path(out).write_text(json.dumps({"params": params, "grads": grads, "optimizer": states}))
+        dist.barrier()  # no rank tears down while another still talks
     finally:
         dist.destroy_process_group()
 

@@ -235,7 +235,7 @@ def place(cfg: RunConfig, ctx: WorkerContext) -> tuple[WorkerContext, Layout]:
 def apply(model: nn.Module, cfg: RunConfig, ctx: WorkerContext, layout: Layout, loss_fn: Any = None) -> Parallelized:
     """Make ``model`` this rank's part: stage, TP, activation checkpointing, compile, then FSDP2/DDP."""
     spec = _spec(cfg)
-    mesh = build_mesh(layout, ctx) if ctx.world_size > 1 and dist.is_initialized() else None
+    mesh = build_mesh(layout, ctx) if dist.is_available() and dist.is_initialized() else None
     stage = _coordinates(layout, ctx.rank)["pp"]
     if layout.pp > 1:
         model = pipeline_stage(model, spec, stage, layout.pp)
@@ -311,9 +311,9 @@ def apply_data_parallel(
     """FSDP2 over the shard (and replicate) dimensions, DDP over replicas, or nn.DataParallel."""
     if layout.strategy == "dataparallel":
         return _data_parallel_module(model, ctx)
-    if mesh is None or layout.dp == 1:
+    if mesh is None:
         return model
-    if layout.sharded:
+    if layout.sharded:  # also on one rank: FSDP2's mixed-precision policy (bf16 params) still applies
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
@@ -333,6 +333,8 @@ def apply_data_parallel(
         for block in (blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks) if blocks is not None else []:
             fully_shard(block, **kwargs)
         fully_shard(model, **kwargs)
+        return model
+    if layout.dp == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 

@@ -119,6 +119,11 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
         )
     if cfg.training.precision == "fp16" and not use_gpu:
         problems.append("training.precision: fp16 needs a GPU; use bf16 or fp32 on CPU, got 'fp16'")
+    if s.accelerator_type and not use_gpu:
+        problems.append(
+            f"scaling.accelerator_type={s.accelerator_type} pins GPU workers, but this run uses no GPU; "
+            "set scaling.use_gpu=true, or leave accelerator_type empty"
+        )
     if use_gpu and s.use_gpu is True and gpus_available == 0 and not _existing_cluster():
         problems.append("scaling.use_gpu: true, but this machine has no GPU; set it to auto or false")
     f = cfg.faults

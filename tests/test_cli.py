@@ -156,6 +156,11 @@ GPT_DEBUG += ["--set", "data.kwargs={kind: tokens, seq_len: 16}", "--set", "scal
             "set scaling.num_workers=1, or use strategy ddp",
         ),
         (["parallel.strategy=ddp", "parallel.tp=2"], "parallel.tp=2 does not apply to strategy ddp; use tp or fsdp+tp"),
+        (
+            ["scaling.accelerator_type=H100"],
+            "scaling.accelerator_type=H100 pins GPU workers, but this run uses no GPU; set scaling.use_gpu=true, "
+            "or leave accelerator_type empty",
+        ),
     ],
 )
 def test_bad_parallel_config_is_one_line_before_ray(args, line):

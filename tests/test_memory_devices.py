@@ -59,6 +59,7 @@ def _gather_worker(rank: int, world: int, port: int, out: str) -> None:
         found = devices.check_alike(WorkerContext.from_process_group(), allow_mixed=False)
         if rank == 0:
             Path(out).write_text(json.dumps(found))
+        dist.barrier()  # no rank tears down while another still talks
     finally:
         dist.destroy_process_group()
 

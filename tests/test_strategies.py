@@ -138,6 +138,7 @@ def _worker(rank: int, world: int, port: int, strategy: str, extra: dict, out: s
                     }
                 )
             )
+        dist.barrier()  # no rank tears down while another still talks
     finally:
         dist.destroy_process_group()
 
@@ -178,3 +179,50 @@ def test_strategy_matches_one_process_and_reloads(strategy, reference, tmp_path)
     assert weights.keys() == reference["weights"].keys()
     for k, v in reference["weights"].items():
         torch.testing.assert_close(weights[k].double(), v, rtol=1e-6, atol=1e-7, msg=f"{strategy}: {k}")
+
+
+@pytest.mark.slow
+def test_compile_and_checkpointing_keep_the_losses_and_the_checkpoint_names(tmp_path):
+    """torch.compile per block with selective activation checkpointing, in local mode: the same
+    losses as plain eager (within compile's reordering of float sums) and the same checkpoint keys."""
+    from rayjobs import train
+    from rayjobs.config import CONFIG_DIR, load_config
+
+    runs = {}
+    for name, extra in (
+        ("eager", []),
+        ("compiled", ["parallel.compile=true", "parallel.activation_checkpointing=selective"]),
+    ):
+        cfg = load_config(
+            CONFIG_DIR / "gpt-fsdp.yaml",
+            [
+                f"run.storage_path={tmp_path}",
+                f"run.name={name}",
+                "model.flavor=debug",
+                "scaling.num_workers=0",
+                "training.max_steps=4",
+                "training.eval_every=2",
+                "tracking.enabled=false",
+                *extra,
+            ],
+        )
+        runs[name] = train.run(cfg)
+    eager, compiled = (runs[k]["metrics"] for k in ("eager", "compiled"))
+    assert compiled["train/loss"] == pytest.approx(eager["train/loss"], rel=1e-4)
+    assert compiled["val/loss"] == pytest.approx(eager["val/loss"], rel=1e-4)
+    a, b = (checkpoint_weights(runs[k]["checkpoint"]) for k in ("eager", "compiled"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5)
+
+
+def test_dataparallel_is_one_worker_and_recommends_ddp(capsys):
+    cfg = _cfg("dataparallel", {})
+    ctx, layout = strategies.place(cfg, WorkerContext(0, 1, 0, torch.device("cpu")))
+    par = strategies.apply(_model(cfg), cfg, ctx, layout, loop.loss_fn)
+    # On CPU there is one device: the model itself; with several GPUs, nn.DataParallel over all of them.
+    expected = torch.nn.DataParallel if torch.cuda.device_count() > 1 else type(_model(cfg))
+    assert isinstance(par.model, expected)
+    assert "prefer ddp (one process per GPU)" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="one worker drives all GPUs of its node, but the run has 2 workers"):
+        strategies.resolve_layout(cfg.parallel, 2)
