@@ -66,6 +66,7 @@ def load_all() -> dict[str, Benchmark]:
         checkpointing,
         compute,
         gpu,
+        ingest,
         orchestration,
         overhead,
         parallelism,

@@ -65,6 +65,7 @@ class TrainState:
     loss_sum: float = 0.0  # train losses since the last report (the report's mean)
     loss_count: int = 0
     samples: int = 0
+    data_wait_s: float = 0.0  # time the loop waited for its next batches
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -200,6 +201,52 @@ def latest_complete(run_dir: str | Path, warn: bool = True) -> CheckpointInfo | 
         if warn:
             _log(f"warning: skipping checkpoint {info.path}: {info.problem}")
     return None
+
+
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+def reconcile_ray_snapshot(run_dir: str | Path) -> list[str]:
+    """Drop the checkpoints we pruned from Ray Train's own list of a run's checkpoints.
+
+    Ray writes ``checkpoint_manager_snapshot.json`` in the run's directory naming every reported
+    checkpoint, and its controller refuses to start when one of them is gone. rayjobs prunes its
+    checkpoints itself (``keep_last``/``keep_best``), so before a re-run with the same name the
+    snapshot is rewritten without the missing ones (atomically); a snapshot that cannot be read
+    is removed: rayjobs resumes from its own manifests, never from Ray's list. Returns the
+    checkpoint names dropped (``["*"]`` when the whole snapshot went).
+    """
+    path = Path(run_dir) / RAY_SNAPSHOT
+    if not path.is_file():
+        return []
+    try:
+        state = json.loads(path.read_text())
+        results = state["checkpoint_results"]
+        indices = state["checkpoint_report_indices"]
+        names = [r["checkpoint_dir_name"] for r in results]
+        gone = [n for n in names if not (Path(run_dir) / n).is_dir()]
+        if not gone:
+            return []
+        kept = [(r, i) for r, i in zip(results, indices, strict=True) if r["checkpoint_dir_name"] not in gone]
+        state["checkpoint_results"] = [r for r, _ in kept]
+        state["checkpoint_report_indices"] = [i for _, i in kept]
+        latest = state.get("latest_checkpoint_result")
+        if latest is not None and latest["checkpoint_dir_name"] in gone:
+            state["latest_checkpoint_result"] = kept[-1][0] if kept else None
+        pending = list(zip(state["pending_training_results"], state["pending_validation_specs"], strict=True))
+        pending = [(r, v) for r, v in pending if r["checkpoint_dir_name"] not in gone]
+        state["pending_training_results"] = [r for r, _ in pending]
+        state["pending_validation_specs"] = [v for _, v in pending]
+        for key, value in state.items():
+            if key.endswith("_checkpoint_dir_names"):
+                state[key] = [n for n in value if n not in gone]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.replace(tmp, path)
+        return gone
+    except (ValueError, KeyError, TypeError, AttributeError):
+        path.unlink()
+        return ["*"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -51,6 +51,30 @@ def build_parser() -> argparse.ArgumentParser:
     shot.add_argument("--experiment", default="rayjobs")
     shot.add_argument("--out", required=True, metavar="PNG")
 
+    data = sub.add_parser("data", help="datasets for Ray Data: write Parquet shards to train on")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser("prepare", help="write digits, or a folder of CSV or text files, as Parquet shards")
+    prepare.add_argument("source", choices=["digits", "csv", "text"], help="what to write")
+    prepare.add_argument("src", nargs="?", help="the CSV or text file or folder (csv, text)")
+    prepare.add_argument("--out", required=True, metavar="DIR", help="where the Parquet shards go")
+    prepare.add_argument("--label", default="label", help="csv: the integer label column")
+    prepare.add_argument("--seq-len", type=int, default=128, help="text: tokens per training sequence")
+    prepare.add_argument("--shards", type=int, default=4, help="Parquet files for the train split")
+
+    doctor = sub.add_parser("doctor", help="check the Ray cluster in RAY_ADDRESS before a run (table; 1 if blocked)")
+    _add_config_args(doctor, "the run config whose storage_path and tracking.uri to check", "nothing")
+    doctor.add_argument("--working-dir", default=".", help="the directory `ray job submit --working-dir` would upload")
+
+    cluster = sub.add_parser(
+        "cluster", help="start or stop the local autoscaling cluster (cluster/local-autoscale.yaml)"
+    )
+    cluster_sub = cluster.add_subparsers(dest="cluster_command", required=True)
+    cluster_up = cluster_sub.add_parser("up", help="RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...")
+    cluster_up.add_argument("--config", default=None, help="a fake_multinode cluster YAML (default: the shipped one)")
+    cluster_up.add_argument("--port", type=int, default=6379, help="the head's GCS port")
+    cluster_up.add_argument("--dashboard-port", type=int, default=8265, help="dashboard and Jobs API (127.0.0.1)")
+    cluster_sub.add_parser("down", help="ray stop: the head, the autoscaler and every node it started")
+
     bench = sub.add_parser("bench", help="run the side-by-side benchmarks (ratios, with goals)")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
@@ -84,6 +108,12 @@ def main(argv: list[str] | None = None) -> None:
             _tune(args)
         elif args.command == "bench":
             _bench(args)
+        elif args.command == "data":
+            _prepare(args)
+        elif args.command == "doctor":
+            _doctor(args)
+        elif args.command == "cluster":
+            _cluster(args)
         elif args.command == "checkpoints":
             _checkpoints(args)
         elif args.command == "export":
@@ -109,6 +139,24 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("rayjobs: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def _prepare(args: argparse.Namespace) -> None:
+    from rayjobs import prepare
+
+    out = Path(args.out).resolve()
+    if args.source == "digits":
+        rows = prepare.digits(out, args.shards)
+    elif not args.src:
+        raise ConfigError(
+            f"data prepare {args.source}: name the source file or folder, e.g. rayjobs data prepare {args.source} DIR --out OUT"
+        )
+    elif args.source == "csv":
+        rows = prepare.csv(Path(args.src), out, args.label, args.shards)
+    else:
+        rows = prepare.text(Path(args.src), out, args.seq_len, args.shards)
+    print(f"wrote {', '.join(f'{s} {n} rows' for s, n in rows.items())} as Parquet to {out}")
+    print(f"train on it: rayjobs train --set data.name=parquet --set data.kwargs.path={out} [--set model.name=...]")
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -150,6 +198,29 @@ def _tune(args: argparse.Namespace) -> None:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
         Path(args.summary).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
         print(f"  summary: {args.summary}")
+
+
+def _doctor(args: argparse.Namespace) -> None:
+    from rayjobs import doctor
+    from rayjobs.config import load_config
+    from rayjobs.tracking import tracking_uri
+
+    cfg = load_config(args.config, args.overrides)
+    sys.exit(doctor.main(cfg.storage_path, tracking_uri(cfg), args.working_dir))
+
+
+def _cluster(args: argparse.Namespace) -> None:
+    from rayjobs import cluster
+
+    if args.cluster_command == "down":
+        cluster.down()
+        print("rayjobs: local cluster stopped")
+        return
+    started = cluster.up(Path(args.config) if args.config else cluster.LOCAL_YAML, args.port, args.dashboard_port)
+    print(f"rayjobs: local autoscaling cluster up: GCS {started.gcs_address}, dashboard {started.dashboard_url}")
+    print(f"  token auth on: clients here read the token from {cluster.TOKEN_FILE} (or RAY_AUTH_TOKEN)")
+    print(f"  export RAY_ADDRESS={started.gcs_address}")
+    print(f"  ray job submit --address {started.dashboard_url} --working-dir . -- python -m rayjobs.train ...")
 
 
 def _checkpoints(args: argparse.Namespace) -> None:

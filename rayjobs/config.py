@@ -39,6 +39,16 @@ class RunSection(Section):
             raise ValueError(f"must be a plain name without '/', got {v!r}")
         return v
 
+    @field_validator("storage_path")
+    @classmethod
+    def _a_filesystem_path(cls, v: str) -> str:
+        if "://" in v:
+            raise ValueError(
+                "must be a filesystem path (object store URIs are not supported yet): mount the bucket "
+                "on every node (s3fs, gcsfuse, a CSI driver) and give the mount's path"
+            )
+        return v
+
 
 class ModelSection(Section):
     name: str = Field("digits_cnn", description="Registry name, or 'package.module:callable' for your own model.")
@@ -60,7 +70,9 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    name: str = Field("digits", description="Dataset: digits | synthetic.")
+    name: str = Field(
+        "digits", description="Dataset: digits | synthetic (in memory); parquet | csv | images | text (Ray Data)."
+    )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the dataset loader.")
 
     @model_validator(mode="after")
@@ -103,8 +115,13 @@ class TrainingSection(Section):
 
 
 class ScalingSection(Section):
-    num_workers: int | Literal["auto"] = Field(
-        "auto", description="Train workers; 0 = local mode in this process; auto = 1 per GPU, else 2."
+    num_workers: int | Literal["auto"] | list[int] = Field(
+        "auto",
+        description="Train workers; 0 = local mode in this process; auto = 1 per GPU, else 2; "
+        "[min, max] = elastic: start with min, grow to max as nodes join.",
+    )
+    elastic_resize_interval_s: float = Field(
+        60.0, gt=0, description="Elastic runs: how often Ray Train looks for room to grow the worker group."
     )
     use_gpu: bool | Literal["auto"] = Field("auto", description="One GPU per worker: true | false | auto.")
     resources_per_worker: dict[str, float] = Field(
@@ -119,6 +136,11 @@ class ScalingSection(Section):
     def _workers(cls, v: Any) -> Any:
         if v == "auto":
             return v
+        if isinstance(v, (list, tuple)):
+            ok = len(v) == 2 and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
+            if not ok or not 1 <= v[0] < v[1]:
+                raise ValueError(f"elastic workers are [min, max] with 1 <= min < max, got {list(v)!r}")
+            return list(v)
         if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, str) and v.isdigit())):
             raise ValueError(f"must be an integer >= 0 or 'auto', got {v!r}")
         if int(v) < 0:
@@ -388,6 +410,8 @@ def _data_problems(d: DataSection) -> list[tuple[str, str]]:
         return [("data.name", f"unknown dataset {d.name!r}{hint}; known: {' | '.join(DATASETS)}")]
     spec = DATASETS[d.name]
     problems = _kwargs_problems("data.kwargs", spec.load, d.kwargs, f"dataset {spec.name}")
+    if spec.streaming and not d.kwargs.get("path"):
+        return [("data.kwargs.path", f"data.name={d.name} reads files: set data.kwargs.path to a file or folder")]
     if spec.kind(d.kwargs) not in SYNTHETIC_KINDS:
         problems.append(
             ("data.kwargs.kind", f"must be one of {', '.join(SYNTHETIC_KINDS)}, got {spec.kind(d.kwargs)!r}")

@@ -90,6 +90,7 @@ class DataSpec:
     kind: Callable[[dict[str, Any]], str]
     description: str
     info: Callable[[dict[str, Any]], DataInfo]
+    streaming: bool = False  # read through Ray Data in the workers (rayjobs.ray_data)
 
 
 DATASETS: dict[str, DataSpec] = {
@@ -109,12 +110,49 @@ DATASETS: dict[str, DataSpec] = {
     ),
 }
 
+
+def _streaming(name: str, description: str) -> DataSpec:
+    from rayjobs import ray_data
+
+    return DataSpec(
+        name,
+        ray_data.LOADERS[name],
+        lambda kw: ray_data.kind_of(name, kw),
+        description,
+        lambda kw: ray_data.info(name, kw),
+        streaming=True,
+    )
+
+
+DATASETS.update(
+    {
+        "parquet": _streaming("parquet", "Parquet files through Ray Data (features + label, or tokens)"),
+        "csv": _streaming("csv", "CSV files through Ray Data (numeric features + integer label)"),
+        "images": _streaming("images", "an image folder per class through Ray Data"),
+        "text": _streaming("text", "text files through Ray Data, byte tokens packed for gpt"),
+    }
+)
+
 SYNTHETIC_KINDS = ("image", "tokens")
 
 
 def load(name: str, kwargs: dict[str, Any]) -> Splits:
     """Load the named dataset with its kwargs."""
     return DATASETS[name].load(**kwargs)
+
+
+def is_streaming(name: str) -> bool:
+    """Whether the named dataset streams through Ray Data (else it is loaded whole in each worker)."""
+    return DATASETS[name].streaming
+
+
+def eval_batches(dataset: Any, rank: int, world_size: int, batch_size: int) -> Any:
+    """Batches of an evaluation set for this rank: every sample once across ranks (map-style or Ray Data)."""
+    if isinstance(dataset, Dataset):
+        return eval_shard(dataset, rank, world_size, batch_size)
+    from rayjobs import ray_data
+
+    return ray_data.eval_batches(dataset, batch_size, rank, world_size)
 
 
 def data_info(name: str, kwargs: dict[str, Any]) -> DataInfo:
@@ -168,3 +206,55 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int, batch_size: int) ->
     """Every sample exactly once across ranks (strided, no padding), for sums that are all-reduced."""
     indices = list(range(rank, len(dataset), world_size))  # type: ignore[arg-type]
     return DataLoader(torch.utils.data.Subset(dataset, indices), batch_size=batch_size)
+
+
+class TrainingData:
+    """What a worker trains and evaluates on: its micro-batches one epoch at a time, and the
+    validation and test sets. In memory (a resumable sampler over a map-style dataset) or streamed
+    (this worker's Ray Data shard; the driver counted the rows and passes ``streaming``)."""
+
+    def __init__(
+        self,
+        name: str,
+        kwargs: dict[str, Any],
+        seed: int,
+        shard: int,
+        shards: int,
+        micro_batch: int,
+        accum: int,
+        streaming: dict[str, Any] | None = None,
+    ) -> None:
+        self.micro_batch, self.accum, self.seed = micro_batch, accum, seed
+        self.streaming = streaming is not None
+        if streaming is not None:
+            import ray.train
+
+            self.info = DataInfo(streaming["kind"], tuple(streaming["shape"]), streaming["classes"])
+            self.train = ray.train.get_dataset_shard("train")
+            self.val = ray.train.get_dataset_shard("val")
+            self.test = ray.train.get_dataset_shard("test") if streaming["has_test"] else None
+            # Ray Train splits train equally over the workers; full micro-batches only.
+            per_worker = streaming["train_rows"] // streaming["world_size"]
+            self.steps_per_epoch = per_worker // micro_batch // accum
+        else:
+            splits = load(name, kwargs)
+            self.info, self.val, self.test = splits.info, splits.val, splits.test
+            self.loader = shard_loader(splits.train, micro_batch, shard, shards, seed)
+            self.steps_per_epoch = len(self.loader) // accum
+
+    def epoch(self, epoch: int, step_in_epoch: int) -> Any:
+        """An iterator of (x, y) micro-batches for ``epoch``, starting at ``step_in_epoch``."""
+        skip = step_in_epoch * self.accum
+        if self.streaming:
+            from rayjobs import ray_data
+
+            return ray_data.train_batches(self.train, self.micro_batch, self.seed, epoch, skip)
+        self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        self.loader.sampler.start_index = skip * self.micro_batch  # type: ignore[attr-defined]
+        return iter(self.loader)
+
+    def finish_epoch(self, batches: Any) -> None:
+        """Read what is left of a streamed epoch, so that every worker's shard ends it together."""
+        if self.streaming:
+            for _ in batches:
+                pass

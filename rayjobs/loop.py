@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from models import build_model, flops_per_sample
 from rayjobs import checkpoint as ckpt
 from rayjobs import data as data_lib
-from rayjobs import devices, memory, strategies, telemetry
+from rayjobs import devices, memory, storage, strategies, telemetry
 from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import RunConfig, from_dict
 from rayjobs.faults import Faults
@@ -53,6 +53,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     quiet_ray_train_logs()
     resolved = config.pop("_resolved", {})
     cfg = from_dict(config)
+    if resolved.get("storage_mark"):
+        storage.check_shared(cfg.run_dir, resolved["storage_mark"])
     ctx = current_context(bool(resolved.get("use_gpu", False)))
     if ctx.device.type == "cpu":
         torch.set_num_threads(max(1, int(resolved.get("cpus_per_worker", 1))))
@@ -61,11 +63,12 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     ctx, layout = strategies.place(cfg, ctx)  # ranks of one model replica share a data shard
 
     # 1. Data: this rank's shard of the training set; micro-batches sized from the global batch.
-    splits = data_lib.load(cfg.data.name, cfg.data.kwargs)
     shard, shards = ctx.data_shard
     micro_batch = micro_batch_size(cfg.training.batch_size, shards, accum)
-    train_loader = data_lib.shard_loader(splits.train, micro_batch, shard, shards, cfg.training.seed)
-    steps_per_epoch = len(train_loader) // accum
+    splits = data_lib.TrainingData(
+        cfg.data.name, cfg.data.kwargs, cfg.training.seed, shard, shards, micro_batch, accum, resolved.get("streaming")
+    )
+    steps_per_epoch = splits.steps_per_epoch
     if steps_per_epoch == 0:
         raise ValueError(f"training.batch_size={cfg.training.batch_size} is larger than the training set; lower it")
     total_steps = steps_per_epoch * cfg.training.epochs
@@ -122,13 +125,13 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         if state.step_in_epoch >= steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
             continue
-        train_loader.sampler.set_epoch(state.epoch)  # type: ignore[attr-defined]
-        train_loader.sampler.start_index = state.step_in_epoch * accum * micro_batch  # type: ignore[attr-defined]
-        batches, end_of_epoch = iter(train_loader), False
+        batches, end_of_epoch = splits.epoch(state.epoch, state.step_in_epoch), False
         while state.step < stop_at and state.step_in_epoch < steps_per_epoch and not end_of_epoch:
             t0 = time.perf_counter()
             faults.before_step(state.step + 1)
             group = [next(batches) for _ in range(accum)]
+            data_wait = time.perf_counter() - t0
+            state.data_wait_s += data_wait
             try:
                 faults.oom_now(state.step + 1)
                 result = train_step(model, group, optimizer, cfg, ctx, scaler, faults.nan_now(state.step + 1), pipeline)
@@ -151,6 +154,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             step_metrics = per_step_metrics(
                 cfg, state.step, result, scheduler, step_time, tokens_per_sample, flops / job_peak
             )
+            if step_metrics:
+                step_metrics["perf/data_wait_fraction"] = data_wait / step_time
             if mlflow_log is not None and step_metrics:
                 mlflow_log.log(step_metrics, state.step)
             train_time += time.perf_counter() - t0  # logging counts against throughput
@@ -165,6 +170,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             end_of_epoch = state.step_in_epoch == steps_per_epoch
             if end_of_epoch:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
+                splits.finish_epoch(batches)
             if state.step == stop_at:
                 break  # the final eval, checkpoint and report follow the loop
             do_eval = (state.step % cfg.training.eval_every == 0) if cfg.training.eval_every else end_of_epoch
@@ -191,7 +197,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     state.metrics = summarize(
         state, scheduler, state.metrics.get("train/grad_norm", 0.0), train_time, ctx, model, splits.val, cfg, pipeline
     )
-    state.metrics.update(evaluate(model, splits.test, cfg, ctx, prefix="test", pipeline=pipeline))
+    if splits.test is not None:
+        state.metrics.update(evaluate(model, splits.test, cfg, ctx, prefix="test", pipeline=pipeline))
     state.metrics["perf/mfu"] = flops * state.metrics["train/samples_per_s"] / job_peak
     if saved_at_step == state.step and resumed_from and state.step == resumed_from[1]:
         final = resumed_from[0]  # nothing trained since: that checkpoint is the final state
@@ -246,6 +253,7 @@ def summarize(
         "train/lr": scheduler.get_last_lr()[0],
         "train/grad_norm": grad_norm,
         "train/samples_per_s": state.samples / max(train_time, 1e-9),
+        "perf/data_wait_fraction": state.data_wait_s / max(train_time, 1e-9),
         **evaluate(model, val, cfg, ctx, prefix="val", pipeline=pipeline),
         **memory_metrics(ctx),
     }
@@ -602,7 +610,7 @@ def evaluate(
     shard, shards = ctx.data_shard
     # A pipeline's stages were shaped for the training batch: evaluate in batches of that size.
     batch = cfg.training.batch_size // shards if pipeline else max(64, cfg.training.batch_size)
-    for x, y in data_lib.eval_shard(dataset, shard, shards, batch):
+    for x, y in data_lib.eval_batches(dataset, shard, shards, batch):
         x, y = x.to(ctx.device), y.to(ctx.device)
         if pipeline is not None:
             logits = pipeline_forward(x, y, batch, pipeline)

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from rayjobs import storage
 from rayjobs.config import RunConfig
 from rayjobs.errors import ConfigError, TrainingFailed
 
@@ -27,6 +29,7 @@ class ScalingPlan:
     num_workers: int
     use_gpu: bool
     resources_per_worker: dict[str, float]
+    max_workers: int = 0  # elastic runs: grow from num_workers up to this; 0 = a fixed size
 
     @property
     def world_size(self) -> int:
@@ -100,15 +103,20 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
     """Resolve ``auto`` values and check the plan against the config; ConfigError when they clash."""
     s = cfg.scaling
     use_gpu = gpus_available > 0 if s.use_gpu == "auto" else bool(s.use_gpu)
+    max_workers = 0
     if s.num_workers == "auto":
         num_workers = gpus_available if use_gpu and gpus_available else 2
+    elif isinstance(s.num_workers, list):
+        num_workers, max_workers = s.num_workers
     else:
         num_workers = s.num_workers
     resources = dict(s.resources_per_worker) or {"CPU": 1.0}
-    plan = ScalingPlan(num_workers, use_gpu, resources)
+    plan = ScalingPlan(num_workers, use_gpu, resources, max_workers)
     from rayjobs.strategies import layout_problems, resolve_layout
 
     problems = layout_problems(cfg, plan.world_size, use_gpu)
+    if max_workers:
+        problems += elastic_problems(cfg, num_workers, max_workers)
     replicas = resolve_layout(cfg.parallel, plan.world_size).dp if not problems else plan.world_size
     parts = replicas * cfg.training.grad_accum
     if cfg.training.batch_size % parts:
@@ -133,6 +141,50 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+def elastic_problems(cfg: RunConfig, low: int, high: int) -> list[str]:
+    """An elastic run changes its world size: only pure data parallelism, and a batch every size divides."""
+    problems = []
+    strategy = cfg.parallel.strategy
+    degrees = [k for k in ("dp_replicate", "dp_shard", "tp", "pp") if getattr(cfg.parallel, k)]
+    if strategy not in ("ddp", "fsdp") or degrees:
+        fixed = f"parallel.{degrees[0]} fixed" if degrees else f"parallel.strategy {strategy}"
+        problems.append(
+            f"scaling.num_workers=[{low}, {high}] (elastic) needs parallel.strategy ddp or fsdp with derived "
+            f"degrees, got {fixed}; give a fixed number of workers for other layouts"
+        )
+    bad = [w for w in range(low, high + 1) if cfg.training.batch_size % (w * cfg.training.grad_accum)]
+    if bad:
+        problems.append(
+            f"training.batch_size: an elastic run keeps the global batch at every size from {low} to {high} "
+            f"workers, but {cfg.training.batch_size} does not divide over {bad[0]} x grad_accum "
+            f"{cfg.training.grad_accum}; pick a multiple of each"
+        )
+    if cfg.failure.max_failures == 0:
+        problems.append(
+            "failure.max_failures: an elastic run restarts its worker group when a node leaves; set it above 0 (or -1)"
+        )
+    return problems
+
+
+def check_data(cfg: RunConfig) -> Any:
+    """A streamed dataset's source, checked before Ray starts (None for in-memory datasets)."""
+    from rayjobs import data as data_lib
+
+    if not data_lib.is_streaming(cfg.data.name):
+        return None
+    from rayjobs.ray_data import DataError
+
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or cfg.parallel.strategy in ("tp", "pp", "fsdp+tp", "pp+dp"):
+        raise ConfigError(
+            f"data.name={cfg.data.name} streams a different shard to every worker; tensor and pipeline "
+            f"parallel ranks need the same batches: use parallel.strategy ddp, fsdp or hsdp"
+        )
+    try:
+        return data_lib.DATASETS[cfg.data.name].load(**cfg.data.kwargs)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def print_memory_estimate(cfg: RunConfig, plan: ScalingPlan) -> float | None:
@@ -165,16 +217,29 @@ def check_resume_from(cfg: RunConfig) -> None:
     cfg.checkpoint.resume_from = path
 
 
-def init_ray(plan: ScalingPlan) -> None:
-    """Connect to the cluster in RAY_ADDRESS, or start a local Ray sized for the plan."""
+def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
+    """Connect to the cluster in RAY_ADDRESS, or start a local Ray sized for the plan.
+
+    A streamed dataset (Ray Data) needs CPUs beside the training workers for its read and
+    ``map_batches`` tasks: a local Ray gets one more; on a running cluster a warning says so.
+    """
     import ray
 
-    if ray.is_initialized():
-        return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        return
     cpus_needed = plan.num_workers * plan.resources_per_worker.get("CPU", 1.0)
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        if not ray.is_initialized():
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
+        if streaming and cluster_cpus - cpus_needed < 1:
+            print(
+                f"rayjobs: warning: Ray Data reads on CPUs beside the training workers, and this cluster has {cluster_cpus:g} "
+                f"CPU(s) with {cpus_needed:g} taken by the workers: reading waits for an autoscaled node; "
+                "lower scaling.resources_per_worker.CPU (e.g. 0.5) to leave it one",
+                file=sys.stderr,
+                flush=True,
+            )
+        return
+    cpus_needed += 1 if streaming else 0
     # The driver's directory on the workers' path, so a user's `pkg.module:callable` model imports.
     path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
     # Starting a worker group takes long on a loaded small machine (several trials at once):
@@ -219,10 +284,11 @@ def run(
     """
     started = time.time()
     check_resume_from(cfg)
+    source = check_data(cfg)
     local_mode = cfg.scaling.num_workers == 0
     plan = plan_scaling(cfg, local_gpu_count() if local_mode else cluster_gpu_count())
 
-    from ray.train import FailureConfig, LoggingConfig, ScalingConfig
+    from ray.train import DataConfig, FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
     from ray.train.torch import TorchTrainer
 
@@ -234,7 +300,7 @@ def run(
     if local_mode:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
-        init_ray(plan)
+        init_ray(plan, streaming=source is not None)
     mlflow_run_id = start_tracking(cfg, plan, mlflow_tags) if cfg.tracking.enabled else None
     loop_config = cfg.model_dump(mode="json")
     loop_config["_resolved"] = {
@@ -244,13 +310,34 @@ def run(
         "local_history_path": history_path if local_mode else None,
         "stop_at_step": stop_at_step,
         "memory_estimate_bytes": estimate,
+        "storage_mark": None if local_mode else storage.mark(run_dir),
         "mlflow": {"run_id": mlflow_run_id, "run_key": run_dir, "spool": os.path.join(run_dir, ".mlflow-spool.jsonl")},
     }
+    datasets = None
+    if source is not None:  # streamed through Ray Data: train is split over the workers, val/test are not
+        from rayjobs import ray_data
+
+        datasets = ray_data.datasets(source, cfg.data.kwargs)
+        loop_config["_resolved"]["streaming"] = {
+            "kind": source.info.kind,
+            "shape": list(source.info.input_shape),
+            "classes": source.info.num_classes,
+            "train_rows": source.rows["train"],
+            "has_test": "test" in source.paths,
+            "world_size": plan.world_size,
+        }
+    if not local_mode:
+        from rayjobs.checkpoint import reconcile_ray_snapshot
+
+        reconcile_ray_snapshot(run_dir)  # a re-run's controller must not trip on checkpoints we pruned
     trainer = TorchTrainer(
         train_fn_per_worker,
         train_loop_config=loop_config,
+        datasets=datasets,
+        dataset_config=DataConfig(datasets_to_split=["train"]),
         scaling_config=ScalingConfig(
-            num_workers=plan.num_workers,
+            num_workers=(plan.num_workers, plan.max_workers) if plan.max_workers else plan.num_workers,
+            elastic_resize_monitor_interval_s=cfg.scaling.elastic_resize_interval_s,
             use_gpu=plan.use_gpu,
             resources_per_worker=plan.resources_per_worker,
             accelerator_type=cfg.scaling.accelerator_type or None,
@@ -378,13 +465,18 @@ def _explained(exc: BaseException) -> bool:
     return any(isinstance(e, ExplainedFailure) for e in [exc, *failures])
 
 
+EXCEPTION_LINE = re.compile(r"^(?:[a-z_]\w*\.)*[A-Z]\w*: ")  # "pkg.mod.SomeError: message"
+
+
 def _first_line(exc: BaseException) -> str:
     """One line for a failed run: a worker's own error (the last line of its traceback) when there is one."""
     failures = getattr(exc, "worker_failures", None)
     if failures:
         rank = min(failures)
         lines = str(failures[rank]).strip().splitlines()
-        return f"rank {rank}: {lines[-1] if lines else type(failures[rank]).__name__}"
+        # The worker's own exception line, not a hint that a library printed after it.
+        raised = [line.strip() for line in lines if EXCEPTION_LINE.match(line.strip())]
+        return f"rank {rank}: {raised[-1] if raised else lines[-1] if lines else type(failures[rank]).__name__}"
     text = str(exc).strip() or type(exc).__name__
     return f"{type(exc).__name__}: {text.splitlines()[0]}"
 

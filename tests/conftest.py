@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -97,35 +98,9 @@ class RayHead:
 
     def stop(self) -> None:
         """Kill this head's processes only (`ray stop` would stop every Ray on the machine)."""
-        import psutil
+        from rayjobs.cluster import stop_processes
 
-        marks = (self.temp_dir, f":{self.gcs_port}")
-        roots = []
-        for p in psutil.process_iter(["cmdline"]):
-            cmdline = " ".join(p.info["cmdline"] or [])
-            if any(m in cmdline for m in marks):
-                roots.append(p)
-        procs = {p.pid: p for r in roots for p in [r, *_children(r)]}
-        for p in procs.values():
-            try:
-                p.terminate()
-            except psutil.NoSuchProcess:
-                pass
-        _, alive = psutil.wait_procs(list(procs.values()), timeout=10)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-
-
-def _children(proc):
-    import psutil
-
-    try:
-        return proc.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
+        stop_processes([re.escape(self.temp_dir), rf":{self.gcs_port}\b"])
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,12 @@ EXPECTED = {
     "overhead.loop_throughput_ratio",
     "checkpoint.async_blocked_fraction_gpt_small",
     "tracking.step_time_ratio_logging_every_step",
-    "tune.asha_steps_to_target_ratio",
+    "tune.asha_steps_ratio",
+    "tune.asha_best_ratio",
     "tune.trial_overhead_vs_train_start",
     "parallel.fsdp_state_memory_ratio_gpt_debug",
+    "data.wait_fraction_default",
+    "data.ray_data_vs_dataloader_rows_per_s",
 }
 
 
@@ -35,7 +38,7 @@ def test_quick_bench_produces_every_figure(tmp_path):
         env=subprocess_env(),
         capture_output=True,
         text=True,
-        timeout=420,
+        timeout=900,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = json.loads(out.read_text())

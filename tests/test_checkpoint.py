@@ -255,3 +255,49 @@ def test_sigterm_takes_a_checkpoint_then_exits(tmp_path):
     assert "preemption notice: taking a checkpoint now" in out
     latest = ckpt.latest_complete(tmp_path / "preempted", warn=False)
     assert latest is not None and 0 < latest.step < 40 * (1257 // 64)
+
+
+def _ray_checkpoint_manager(storage: Path, name: str):
+    """Ray Train's own checkpoint manager for one run directory (what its controller builds first)."""
+    from ray.train import CheckpointConfig
+    from ray.train.v2._internal.execution.checkpoint.checkpoint_manager import CheckpointManager
+    from ray.train.v2._internal.execution.storage import StorageContext
+
+    return CheckpointManager(CheckpointConfig(), StorageContext(storage_path=str(storage), experiment_dir_name=name))
+
+
+def test_pruned_checkpoints_do_not_stop_a_rerun_with_the_same_name(tmp_path):
+    """Ray's snapshot names every reported checkpoint; after our keep_last pruned one, a re-run must still start."""
+    import asyncio
+
+    import ray.train
+    from ray.train.v2._internal.exceptions import CheckpointManagerInitializationError
+    from ray.train.v2._internal.execution.training_report import _TrainingReport
+
+    run_dir = tmp_path / "run"
+
+    async def report_three() -> None:
+        manager = _ray_checkpoint_manager(tmp_path, "run")
+        for step in (10, 20, 30):
+            path = run_dir / ckpt.name_for(step)
+            path.mkdir(parents=True)
+            manager.register_checkpoint(_TrainingReport(ray.train.Checkpoint(str(path)), {"step": step}, False))
+
+    asyncio.run(report_three())
+    import shutil
+
+    shutil.rmtree(run_dir / ckpt.name_for(10))  # what Saver._prune does with keep_last=2
+    with pytest.raises(CheckpointManagerInitializationError):
+        _ray_checkpoint_manager(tmp_path, "run")
+    assert ckpt.reconcile_ray_snapshot(run_dir) == [ckpt.name_for(10)]
+    manager = _ray_checkpoint_manager(tmp_path, "run")
+    assert manager.latest_checkpoint_result.checkpoint.path.endswith(ckpt.name_for(30))
+    assert ckpt.reconcile_ray_snapshot(run_dir) == []  # nothing more to drop
+
+    shutil.rmtree(run_dir / ckpt.name_for(30))  # even the latest gone: the newest left becomes latest
+    assert ckpt.reconcile_ray_snapshot(run_dir) == [ckpt.name_for(30)]
+    assert _ray_checkpoint_manager(tmp_path, "run").latest_checkpoint_result.checkpoint.path.endswith(ckpt.name_for(20))
+
+    (run_dir / ckpt.RAY_SNAPSHOT).write_text('{"ray_version": "2.60.0", "checkpoint_res')  # cut by a kill
+    assert ckpt.reconcile_ray_snapshot(run_dir) == ["*"]
+    assert _ray_checkpoint_manager(tmp_path, "run").latest_checkpoint_result is None

@@ -161,6 +161,24 @@ GPT_DEBUG += ["--set", "data.kwargs={kind: tokens, seq_len: 16}", "--set", "scal
             "scaling.accelerator_type=H100 pins GPU workers, but this run uses no GPU; set scaling.use_gpu=true, "
             "or leave accelerator_type empty",
         ),
+        (
+            ["scaling.num_workers=[1, 3]", "failure.max_failures=2", "training.batch_size=64"],
+            "training.batch_size: an elastic run keeps the global batch at every size from 1 to 3 workers, "
+            "but 64 does not divide over 3 x grad_accum 1; pick a multiple of each",
+        ),
+        (
+            ["scaling.num_workers=[1, 2]", "training.batch_size=64"],
+            "failure.max_failures: an elastic run restarts its worker group when a node leaves; set it above 0 (or -1)",
+        ),
+        (
+            ["scaling.num_workers=[2, 1]"],
+            "scaling.num_workers: elastic workers are [min, max] with 1 <= min < max, got [2, 1]",
+        ),
+        (
+            ["run.storage_path=s3://bucket/runs"],
+            "run.storage_path: must be a filesystem path (object store URIs are not supported yet): mount the "
+            "bucket on every node (s3fs, gcsfuse, a CSI driver) and give the mount's path, got 's3://bucket/runs'",
+        ),
     ],
 )
 def test_bad_parallel_config_is_one_line_before_ray(args, line):
@@ -168,3 +186,47 @@ def test_bad_parallel_config_is_one_line_before_ray(args, line):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"rayjobs: error: {line}"]
     assert "RAY_IMPORTED=False" in proc.stdout
+
+
+def _parquet_splits(root, val_columns: dict) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for split, cols in (("train", {"x": [0.5, 1.5], "label": [0, 1]}), ("val", val_columns)):
+        (root / split).mkdir(parents=True)
+        pq.write_table(pa.table(cols), root / split / "part-0.parquet")
+
+
+def test_bad_data_is_one_line_before_ray(tmp_path):
+    _parquet_splits(tmp_path / "ds", {"x": [0.5], "digit": [1]})
+    base = ["--set", "data.name=parquet", "--set", "model.name=mlp", "--set", "model.flavor=debug"]
+    cases = [
+        (
+            ["--set", f"data.kwargs.path={tmp_path / 'none'}"],
+            f"data.kwargs.path: no such file or directory: {tmp_path / 'none'}",
+        ),
+        (
+            ["--set", f"data.kwargs={{path: {tmp_path / 'ds'}, features: [x, y], label: label, num_classes: 2}}"],
+            f"data.kwargs: column 'y' is not in {tmp_path / 'ds' / 'train' / 'part-0.parquet'} (columns: x, label); "
+            "set data.kwargs.features / data.kwargs.label to columns it has",
+        ),
+        (  # the val split's schema does not match train's
+            ["--set", f"data.kwargs={{path: {tmp_path / 'ds'}, label: label, num_classes: 2}}"],
+            f"data.kwargs: column 'label' is not in {tmp_path / 'ds' / 'val' / 'part-0.parquet'} (columns: x, digit); "
+            "set data.kwargs.features / data.kwargs.label to columns it has",
+        ),
+    ]
+    for args, line in cases:
+        proc = run_cli("train", *base, *args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [f"rayjobs: error: {line}"]
+        assert "RAY_IMPORTED=False" in proc.stdout
+
+
+def test_cluster_up_with_a_cloud_yaml_is_one_line():
+    proc = run_cli("cluster", "up", "--config", "cluster/aws.yaml")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "rayjobs: error: cluster config: cluster/aws.yaml is not a fake_multinode cluster; "
+        "use `ray up cluster/aws.yaml` for clouds"
+    ]

@@ -1,0 +1,144 @@
+"""Data ingest: the share of each step spent waiting for data (default config), and Ray Data's
+throughput against a torch DataLoader over the same Parquet files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.harness import REPO, Benchmark, Figure, register, subprocess_env
+
+FEATURES, BATCH = 256, 256
+
+
+def data_wait_default(epochs: int) -> float:
+    """``perf/data_wait_fraction`` of the default job (digits, 2 workers) run by ``rayjobs train``."""
+    with tempfile.TemporaryDirectory(prefix="rj-bench-wait-") as d:
+        summary = Path(d) / "summary.json"
+        sets = [f"run.storage_path={d}", f"training.epochs={epochs}", "tracking.enabled=false"]
+        cmd = [sys.executable, "-m", "rayjobs", "train", "--summary", str(summary)]
+        proc = subprocess.run(
+            cmd + [a for s in sets for a in ("--set", s)],
+            cwd=REPO,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"rayjobs train failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+        return json.loads(summary.read_text())["metrics"]["perf/data_wait_fraction"]
+
+
+def write_parquet(folder: Path, files: int, rows: int) -> list[str]:
+    """``files`` Parquet files of ``rows`` rows: a 256-float feature column and an integer label."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(files):
+        x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+        table = pa.table(
+            {
+                "features": pa.FixedSizeListArray.from_arrays(pa.array(x.ravel()), FEATURES),
+                "label": rng.integers(0, 10, rows),
+            }
+        )
+        paths.append(str(folder / f"part-{i:03d}.parquet"))
+        pq.write_table(table, paths[-1])
+    return paths
+
+
+class ParquetBatches(torch.utils.data.IterableDataset):
+    """The plain-PyTorch way: read each Parquet file with pyarrow and cut it into tensor batches."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def __iter__(self):
+        import pyarrow.parquet as pq
+
+        for path in self.paths:
+            table = pq.read_table(path)
+            x = table["features"].combine_chunks().flatten().to_numpy().reshape(-1, FEATURES)
+            y = table["label"].to_numpy()
+            for i in range(0, len(y) - BATCH + 1, BATCH):
+                yield torch.from_numpy(x[i : i + BATCH]), torch.from_numpy(y[i : i + BATCH])
+
+
+def rows_per_s_dataloader(paths: list[str]) -> float:
+    """Rows/s of a DataLoader (one loader worker) over the files."""
+    loader = torch.utils.data.DataLoader(ParquetBatches(paths), batch_size=None, num_workers=1)
+    t0, rows = time.perf_counter(), 0
+    for x, _ in loader:
+        rows += len(x)
+    return rows / (time.perf_counter() - t0)
+
+
+def rows_per_s_ray_data(folder: Path) -> float:
+    """Rows/s of rayjobs' Ray Data pipeline (read_parquet -> map_batches -> iter_torch_batches)."""
+    import ray
+
+    from rayjobs import ray_data
+
+    kwargs = {
+        "path": str(folder),
+        "val_path": str(folder),
+        "label": "label",
+        "num_classes": 10,
+        "features": ["features"],
+    }
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ds = ray_data.datasets(ray_data.parquet(**kwargs), kwargs)["train"]
+        t0, rows = time.perf_counter(), 0
+        for batch in ds.iter_torch_batches(batch_size=BATCH, drop_last=True):
+            rows += len(batch["x"])
+        return rows / (time.perf_counter() - t0)
+    finally:
+        ray.shutdown()
+
+
+def run(quick: bool) -> list[Figure]:
+    """The default job's data-wait share; then the same Parquet files through Ray Data and a DataLoader."""
+    wait = data_wait_default(epochs=2 if quick else 6)
+    files, rows = (4, 5_000) if quick else (16, 10_000)
+    with tempfile.TemporaryDirectory(prefix="rj-bench-ingest-") as d:
+        paths = write_parquet(Path(d), files, rows)
+        loader = rows_per_s_dataloader(paths)
+        ray_rows = rows_per_s_ray_data(Path(d))
+    mb = files * rows * FEATURES * 4 / 2**20
+    return [
+        Figure(
+            "data.wait_fraction_default",
+            wait,
+            "<= 0.05",
+            note="share of step time waiting for the next batch: the default job (digits, 2 workers, in-memory DataLoader)",
+        ),
+        Figure(
+            "data.ray_data_vs_dataloader_rows_per_s",
+            ray_rows / loader,
+            ">= 0.5",
+            note=f"{ray_rows:,.0f} rows/s (Ray Data, 2 CPUs) vs {loader:,.0f} (DataLoader + pyarrow, 1 loader worker), "
+            f"{files} Parquet files, {mb:.0f} MiB of float32 features, batches of {BATCH}",
+        ),
+    ]
+
+
+register(
+    Benchmark(
+        name="data",
+        workload="the default job (digits, 2 workers); 4 (quick) or 16 Parquet files of 256 float features",
+        compares="time waiting for data against step time; Ray Data rows/s against a torch DataLoader's",
+        run=run,
+    )
+)

@@ -1,0 +1,139 @@
+"""``rayjobs cluster up|down``: the local autoscaling cluster of ``cluster/local-autoscale.yaml``.
+
+``up`` runs ``RAY_FAKE_CLUSTER=1 ray start --head --autoscaling-config=...`` with the head on
+127.0.0.1 (dashboard and Jobs API too) and Ray's token auth on: worker nodes are real Ray nodes,
+started on this machine by the autoscaler when work needs them and stopped when idle. The head
+has 0 CPUs (as the YAML says), so training always runs on nodes the autoscaler launched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from rayjobs.errors import ConfigError
+
+LOCAL_YAML = Path(__file__).resolve().parents[1] / "cluster" / "local-autoscale.yaml"
+TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+
+
+@dataclass
+class LocalCluster:
+    """Where a started local autoscaling cluster listens, and how a client authenticates."""
+
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+    token: str
+
+    def env(self) -> dict[str, str]:
+        """The environment a client (``ray job submit``, a driver) needs to use this cluster."""
+        return {"RAY_ADDRESS": self.gcs_address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
+
+def _token_file() -> str:
+    """The token in Ray's default file (clients on this machine read it there); made when missing."""
+    if not TOKEN_FILE.is_file():
+        TOKEN_FILE.parent.mkdir(parents=True, exist_ok=True)
+        TOKEN_FILE.touch(mode=0o600)
+        TOKEN_FILE.write_text(secrets.token_hex(16))
+    return TOKEN_FILE.read_text().strip()
+
+
+def _ray_bin() -> str:
+    return str(Path(sys.executable).parent / "ray")
+
+
+def autoscaling_config(source: Path, gcs_address: str, out_dir: str) -> str:
+    """The cluster YAML with the provider pointed at this head's GCS (the fake provider defaults to :6379)."""
+    try:
+        config = yaml.safe_load(source.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cluster config: cannot read {source}: {exc.strerror}") from None
+    if config.get("provider", {}).get("type") != "fake_multinode":
+        raise ConfigError(f"cluster config: {source} is not a fake_multinode cluster; use `ray up {source}` for clouds")
+    config["provider"]["gcs_address"] = gcs_address
+    out = os.path.join(out_dir, "autoscaling.yaml")
+    Path(out).write_text(yaml.safe_dump(config))
+    return out
+
+
+def up(
+    config: Path = LOCAL_YAML,
+    port: int = 6379,
+    dashboard_port: int = 8265,
+    temp_dir: str | None = None,
+    token: str | None = None,
+) -> LocalCluster:
+    """Start the head of the local autoscaling cluster; worker nodes come and go with demand."""
+    temp_dir = temp_dir or tempfile.mkdtemp(prefix="rjc-", dir="/tmp")  # Ray's socket paths must stay short
+    token = token or os.environ.get("RAY_AUTH_TOKEN") or _token_file()
+    gcs = f"127.0.0.1:{port}"
+    yaml_path = autoscaling_config(Path(config), gcs, temp_dir)
+    env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
+    cmd = [
+        _ray_bin(),
+        "start",
+        "--head",
+        "--node-ip-address=127.0.0.1",
+        f"--port={port}",
+        "--dashboard-host=127.0.0.1",
+        f"--dashboard-port={dashboard_port}",
+        "--dashboard-agent-listen-port=0",  # not Ray's fixed 52365: another Ray here may hold it
+        "--num-cpus=0",
+        f"--autoscaling-config={yaml_path}",
+        f"--temp-dir={temp_dir}",
+        "--disable-usage-stats",
+    ]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise ConfigError(f"cluster up: `ray start --head` failed: {tail[0]}")
+    return LocalCluster(gcs, f"http://127.0.0.1:{dashboard_port}", temp_dir, token)
+
+
+def down(started: LocalCluster | None = None) -> None:
+    """Stop the local cluster: its head, the autoscaler and every worker node it started.
+
+    Without ``started`` this is ``ray stop`` (every Ray on the machine); with it, only the
+    processes of that cluster (found by its temp dir and GCS port), so other Rays live on.
+    """
+    if started is None:
+        subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, text=True, timeout=120)
+        return
+    port = started.gcs_address.rsplit(":", 1)[1]
+    stop_processes([re.escape(started.temp_dir), rf":{port}\b"])
+
+
+def stop_processes(patterns: list[str], timeout: float = 10.0) -> None:
+    """Terminate (then kill) every process whose command line matches one of ``patterns``, with its children."""
+    import psutil
+
+    found = re.compile("|".join(f"(?:{p})" for p in patterns))
+    roots = [p for p in psutil.process_iter(["cmdline"]) if found.search(" ".join(p.info["cmdline"] or []))]
+    procs: dict[int, psutil.Process] = {}
+    for root in roots:
+        try:
+            family = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        procs.update({p.pid: p for p in family if p.pid != os.getpid()})
+    for p in procs.values():
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(list(procs.values()), timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,266 @@
+"""``rayjobs doctor``: is this Ray cluster ready for a run? One probe per node, then a table.
+
+Checks: the nodes and their resources; devices alike within each node type; Ray, torch, MLflow,
+rayjobs and Python versions alike on every node; ``run.storage_path`` writable on the driver and
+readable and writable from every node (so it is shared); the MLflow server reachable from the
+nodes; the working directory small enough for ``ray job submit``; Ray's token auth on. A FAIL is
+blocking (exit status 1); a warn is not.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import secrets
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+PROBE_DIR = ".rayjobs-doctor"
+
+
+@dataclass
+class Check:
+    """One line of the doctor's table."""
+
+    name: str
+    status: str
+    detail: str
+
+
+def probe(storage_dir: str, nonce: str, tracking_uri: str) -> dict[str, Any]:
+    """What one node reports: who it is, its versions and devices, what it sees of storage and MLflow."""
+    import mlflow
+    import ray
+    import torch
+
+    import rayjobs
+    from rayjobs.devices import describe
+
+    ctx = ray.get_runtime_context()
+    devices = [describe(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+    out: dict[str, Any] = {
+        "node_id": ctx.get_node_id(),
+        "ip": ray.util.get_node_ip_address(),
+        "node_type": os.environ.get("RAY_NODE_TYPE_NAME", ""),
+        "versions": versions(mlflow, ray, torch, rayjobs),
+        "devices": devices or [describe(torch.device("cpu"))],
+    }
+    marker = Path(storage_dir, PROBE_DIR, "driver")
+    try:
+        seen = marker.read_text()
+        out["storage"] = "" if seen == nonce else f"{marker} holds another driver's mark"
+    except OSError as exc:
+        out["storage"] = f"cannot read {marker} ({exc.strerror or type(exc).__name__})"
+    if not out["storage"]:
+        mine = Path(storage_dir, PROBE_DIR, f"node-{out['node_id'][:12]}")
+        try:
+            mine.write_text(nonce)
+        except OSError as exc:
+            out["storage"] = f"cannot write {mine} ({exc.strerror or type(exc).__name__})"
+    out["mlflow"] = reach_mlflow(tracking_uri)
+    return out
+
+
+def versions(mlflow: Any, ray: Any, torch: Any, rayjobs: Any) -> dict[str, str]:
+    """The versions that must match across nodes."""
+    return {
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "torch": torch.__version__,
+        "mlflow": mlflow.__version__,
+        "rayjobs": getattr(rayjobs, "__version__", "?"),
+    }
+
+
+def reach_mlflow(uri: str) -> str:
+    """'' when the tracking server answers its health check (or the URI is a file store); else why not."""
+    if not uri.startswith(("http://", "https://")):
+        return ""
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as resp:
+            return "" if resp.status == 200 else f"HTTP {resp.status}"
+    except (urllib.error.URLError, OSError) as exc:
+        return f"{uri} unreachable ({getattr(exc, 'reason', exc)})"
+
+
+def run_checks(storage_path: str, tracking_uri: str, working_dir: str) -> list[Check]:
+    """Probe every alive node of the connected cluster and return the table's rows."""
+    import ray
+
+    from rayjobs import devices as devs
+
+    checks: list[Check] = []
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    res = [n.get("Resources", {}) for n in nodes]
+    checks.append(
+        Check(
+            "nodes",
+            OK,
+            f"{len(nodes)} alive; CPU {sum(r.get('CPU', 0) for r in res):g}, GPU {sum(r.get('GPU', 0) for r in res):g}",
+        )
+    )
+    storage = os.path.abspath(os.path.expanduser(storage_path))
+    nonce = secrets.token_hex(8)
+    try:
+        Path(storage, PROBE_DIR).mkdir(parents=True, exist_ok=True)
+        Path(storage, PROBE_DIR, "driver").write_text(nonce)
+    except OSError as exc:
+        checks.append(Check("storage", FAIL, f"run.storage_path {storage} is not writable here ({exc.strerror})"))
+        return checks
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    remote = ray.remote(num_cpus=0)(probe)
+    refs = [
+        remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote(
+            storage, nonce, tracking_uri
+        )
+        for n in nodes
+    ]
+    reports = ray.get(refs, timeout=300)
+    for report, node in zip(reports, nodes, strict=True):
+        report["node_type"] = report["node_type"] or (
+            "head" if node.get("Resources", {}).get("node:__internal_head__") else "worker"
+        )
+
+    by_type: dict[str, list[dict[str, Any]]] = {}
+    for r in reports:
+        by_type.setdefault(r["node_type"], []).append(r)
+    for node_type, group in sorted(by_type.items()):
+        devices = [d for r in group for d in r["devices"]]
+        unlike = devs.differences(devices)
+        first = devices[0]
+        checks.append(
+            Check(
+                f"devices ({node_type})",
+                FAIL if unlike else OK,
+                unlike[0]
+                if unlike
+                else f"{len(group)} node(s), {len(devices)} x {first['name']} ({first['capability']})",
+            )
+        )
+
+    import mlflow
+    import torch
+
+    import rayjobs
+
+    mine = versions(mlflow, ray, torch, rayjobs)
+    differ = [
+        f"node {r['ip']} has {k} {r['versions'][k]}, the driver {v}"
+        for r in reports
+        for k, v in mine.items()
+        if r["versions"].get(k) != v
+    ]
+    checks.append(
+        Check(
+            "versions", FAIL if differ else OK, differ[0] if differ else " ".join(f"{k} {v}" for k, v in mine.items())
+        )
+    )
+
+    blind = [(r, r["storage"]) for r in reports if r["storage"]]
+    if blind:
+        r, why = blind[0]
+        detail = (
+            f"run.storage_path {storage} is not shared: node {r['ip']} {why}; put it on a filesystem every node "
+            "mounts (NFS, EFS, a ReadWriteMany PVC) at the same path"
+        )
+        checks.append(Check("storage", FAIL, detail))
+    else:
+        back = [r for r in reports if not Path(storage, PROBE_DIR, f"node-{r['node_id'][:12]}").is_file()]
+        detail = (
+            f"the driver cannot see what node {back[0]['ip']} wrote under {storage}"
+            if back
+            else f"{storage} written by the driver, read and written by {len(reports)} node(s)"
+        )
+        checks.append(Check("storage", FAIL if back else OK, detail))
+
+    lost = [r for r in reports if r["mlflow"]]
+    if tracking_uri.startswith(("http://", "https://")):
+        checks.append(
+            Check(
+                "mlflow",
+                FAIL if lost else OK,
+                f"from node {lost[0]['ip']}: {lost[0]['mlflow']}"
+                if lost
+                else f"{tracking_uri} answers from every node",
+            )
+        )
+    else:
+        checks.append(Check("mlflow", OK, f"{tracking_uri or 'sqlite under run.storage_path'} (file store)"))
+    checks.append(working_dir_check(working_dir))
+    checks.append(token_check())
+    return checks
+
+
+def working_dir_check(working_dir: str) -> Check:
+    """The zip ``ray job submit --working-dir`` would upload, against Ray's size limit."""
+    from ray._private.runtime_env import packaging
+
+    root = Path(working_dir).resolve()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "pkg.zip")
+        packaging.create_package(str(root), out, include_gitignore=True, excludes=[".git"], logger=None)
+        size = out.stat().st_size
+    limit = packaging.GCS_STORAGE_MAX_SIZE
+    mib = size / 2**20
+    if size >= limit:
+        return Check(
+            "working_dir",
+            FAIL,
+            f"{root} zips to {mib:.1f} MiB, over Ray's {limit / 2**20:.0f} MiB limit: add to .gitignore",
+        )
+    status = WARN if size >= packaging.PACKAGE_SIZE_WARNING else OK
+    return Check(
+        "working_dir", status, f"{root} zips to {mib:.1f} MiB (limit {limit / 2**20:.0f} MiB; .gitignore honoured)"
+    )
+
+
+def token_check() -> Check:
+    """Ray's token auth: on for this client and enforced by the cluster."""
+    mode = os.environ.get("RAY_AUTH_MODE", "")
+    has_token = (
+        bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
+        or Path("~/.ray/auth_token").expanduser().is_file()
+    )
+    if mode == "disabled":
+        return Check(
+            "token auth", FAIL, "RAY_AUTH_MODE=disabled: anyone who reaches Ray's ports can run code; unset it"
+        )
+    if not has_token:
+        return Check("token auth", WARN, "no token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token")
+    return Check("token auth", OK, "on (the client has a token)")
+
+
+def table(checks: list[Check]) -> str:
+    """The checks as an aligned text table."""
+    width = max(len(c.name) for c in checks)
+    return "\n".join(f"{c.name:<{width}}  {c.status:<4}  {c.detail}" for c in checks)
+
+
+def main(storage_path: str, tracking_uri: str, working_dir: str) -> int:
+    """Connect to the cluster in RAY_ADDRESS (else a local one), print the table; 1 when something blocks."""
+    import logging
+
+    import ray
+
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        checks = run_checks(storage_path, tracking_uri, working_dir)
+    finally:
+        ray.shutdown()
+    print(table(checks))
+    failed = [c for c in checks if c.status == FAIL]
+    if failed:
+        print(
+            f"rayjobs doctor: {len(failed)} blocking problem(s): {failed[0].name}: {failed[0].detail}", file=sys.stderr
+        )
+        return 1
+    print(f"rayjobs doctor: all {len(checks)} checks passed")
+    return 0

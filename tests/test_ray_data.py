@@ -1,0 +1,102 @@
+"""Ray Data ingest on a real local Ray (shared by this module): Parquet that `rayjobs data prepare`
+wrote trains like the bundled digits; a text corpus trains gpt; a crash inside an epoch resumes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_cli import run_cli
+
+from rayjobs import train
+from rayjobs.config import load_config
+from rayjobs.errors import TrainingFailed
+
+pytestmark = pytest.mark.ray
+
+
+def _prepare(*args: str) -> None:
+    proc = run_cli("data", "prepare", *args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_prepared_digits_train_with_two_workers_like_the_bundled_path(ray_cluster, tmp_path):
+    _prepare("digits", "--out", str(tmp_path / "digits"))
+    meta = json.loads((tmp_path / "digits" / "rayjobs-data.json").read_text())
+    assert meta["rows"] == {"train": 1257, "val": 270, "test": 270}
+    results = {}
+    for name, data in (
+        ("bundled", []),
+        ("parquet", ["data.name=parquet", f"data.kwargs.path={tmp_path / 'digits'}"]),
+    ):
+        cfg = load_config(
+            None,
+            [
+                f"run.storage_path={tmp_path}",
+                f"run.name={name}",
+                "scaling.num_workers=2",
+                "scaling.resources_per_worker.CPU=0.5",  # one of the 2 CPUs left for Ray Data's read tasks
+                "training.epochs=4",
+                "tracking.enabled=false",
+                *data,
+            ],
+        )
+        results[name] = train.run(cfg)["metrics"]
+    bundled, streamed = results["bundled"], results["parquet"]
+    assert streamed["step"] == bundled["step"] == 4 * (1257 // 2 // 32)  # equal shards, full batches
+    assert streamed["test/accuracy"] >= 0.9
+    assert abs(streamed["test/accuracy"] - bundled["test/accuracy"]) <= 0.03, (streamed, bundled)
+    assert 0 <= streamed["perf/data_wait_fraction"] <= 1
+
+
+def _corpus(folder) -> None:
+    folder.mkdir()
+    lines = [
+        f"the {a} {b} jumps over the lazy {c}.\n"
+        for a in ("quick", "slow")
+        for b in ("fox", "cat")
+        for c in ("dog", "cow")
+    ]
+    for i in range(3):
+        (folder / f"doc{i}.txt").write_text("".join(lines * 40))
+
+
+def test_a_text_corpus_trains_gpt_and_resumes_inside_an_epoch(ray_cluster, tmp_path):
+    _corpus(tmp_path / "train")
+    _corpus(tmp_path / "val")
+    sets = [
+        f"run.storage_path={tmp_path}",
+        "run.name=text",
+        "model.name=gpt",
+        "model.flavor=debug",
+        "data.name=text",
+        f"data.kwargs={{path: {tmp_path / 'train'}, val_path: {tmp_path / 'val'}, seq_len: 32}}",
+        "optim.lr=0.01",
+        "training.batch_size=16",
+        "training.epochs=2",
+        "training.eval_every=10",
+        "checkpoint.every_steps=10",
+        "scaling.num_workers=1",
+        "tracking.enabled=false",
+    ]
+    with pytest.raises(TrainingFailed, match="raise_at_step=25"):
+        train.run(load_config(None, [*sets, "faults.raise_at_step=25"]))
+    summary = train.run(load_config(None, sets))  # the same run again: resumes at step 20
+    rows = 3 * ((tmp_path / "train" / "doc0.txt").stat().st_size // 33)  # byte tokens, 32 + 1 per row
+    steps_per_epoch = rows // 16
+    assert summary["metrics"]["step"] == 2 * steps_per_epoch
+    history = train.read_history(summary["history"])
+    evals = [h for h in history if "val/loss" in h]
+    assert evals[0]["step"] == 10 and evals[-1]["val/loss"] < 0.6 * evals[0]["val/loss"], evals
+    assert [h["step"] for h in evals] == sorted({h["step"] for h in evals})  # no step twice after the resume
+
+
+def test_no_cpu_left_for_ray_data_is_said_before_training(ray_cluster, capfd):
+    """Workers that take every CPU would starve Ray Data's read tasks: the driver says so, and how to fix it."""
+    from rayjobs.train import ScalingPlan, init_ray
+
+    init_ray(ScalingPlan(2, False, {"CPU": 1.0}), streaming=True)
+    err = capfd.readouterr().err
+    assert "2 CPU(s) with 2 taken by the workers" in err and "scaling.resources_per_worker.CPU" in err
+    init_ray(ScalingPlan(2, False, {"CPU": 0.5}), streaming=True)
+    assert "Ray Data" not in capfd.readouterr().err
