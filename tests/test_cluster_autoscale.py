@@ -235,7 +235,7 @@ def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_
         *("--set", f"run.storage_path={tmp_path}", "--set", "run.name=elastic"),
         *("--set", "scaling.num_workers=[1, 2]", "--set", "scaling.resources_per_worker={CPU: 1, elastic: 1}"),
         *("--set", "scaling.elastic_resize_interval_s=5", "--set", "failure.max_failures=2"),
-        *("--set", "training.epochs=6", "--set", "checkpoint.every_steps=5", "--set", "tracking.enabled=false"),
+        *("--set", "training.epochs=5", "--set", "checkpoint.every_steps=5", "--set", "tracking.enabled=false"),
     )
 
     def join(name: str) -> subprocess.Popen:
