@@ -106,32 +106,59 @@ def wait_for(predicate, timeout: float, what: str, every: float = 1.0):
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def test_a_submitted_job_brings_up_worker_nodes_succeeds_and_they_go_when_idle(local_cluster, tmp_path):
-    assert cluster_cpus(local_cluster) == 0 and not worker_nodes(local_cluster)  # a head with 0 CPUs, no workers
-    job = submit(
-        local_cluster,
-        "--set",
-        f"run.storage_path={tmp_path}",
-        "--set",
-        "training.epochs=2",
-        "--set",
-        "scaling.num_workers=2",
-        "--set",
-        f"tracking.uri=sqlite:///{tmp_path}/mlflow.db",
-        "--summary",
-        str(tmp_path / "summary.json"),
-    )
-    most = 0
+def finished_job(started: cluster.LocalCluster, job: str, seen: set[str] | None = None):
+    """A wait_for predicate: (status, logs) once the job ended; notes the worker nodes it sees."""
 
-    def finished():
-        nonlocal most
-        most = max(most, len(worker_nodes(local_cluster)))
-        status, logs = job_status(local_cluster, job)
+    def check():
+        if seen is not None:
+            seen.update(n["node_id"] for n in worker_nodes(started))
+        status, logs = job_status(started, job)
         return (status, logs) if status in ("SUCCEEDED", "FAILED", "STOPPED") else None
 
-    status, logs = wait_for(finished, 480, "the job to finish", every=2)
+    return check
+
+
+def resumed_steps(logs: str) -> list[int]:
+    return [int(line.split(" at step ")[1].split()[0]) for line in logs.splitlines() if "resumed from" in line]
+
+
+def kill_node(node_id: str) -> None:
+    """SIGKILL a node's raylet: the node dies, and the workers on it with it."""
+    import psutil
+
+    raylets = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if (cmd := " ".join(p.info["cmdline"] or [])).split(" ", 1)[0].endswith("raylet")
+        and f"--node_id={node_id}" in cmd
+    ]
+    assert raylets, f"no raylet process for node {node_id}"
+    for p in raylets:
+        p.kill()
+
+
+def test_a_submitted_job_brings_up_nodes_survives_losing_one_and_they_go_when_idle(local_cluster, tmp_path):
+    """`ray job submit` of the default training: worker nodes launch on demand; one killed mid-run is
+    launched again and training resumes from its checkpoint; the job succeeds; idle nodes go away."""
+    assert cluster_cpus(local_cluster) == 0 and not worker_nodes(local_cluster)  # a head with 0 CPUs, no workers
+    run_dir = tmp_path / "digits-ddp"
+    job = submit(
+        local_cluster,
+        *("--set", f"run.storage_path={tmp_path}", "--set", "training.epochs=3", "--set", "scaling.num_workers=2"),
+        *("--set", "checkpoint.every_steps=10", "--set", "failure.max_failures=2"),
+        *("--set", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--summary", str(tmp_path / "summary.json")),
+    )
+    wait_for(lambda: ckpt.latest_complete(run_dir, warn=False), 420, "a first checkpoint", every=2)
+    before = {n["node_id"] for n in worker_nodes(local_cluster)}
+    assert len(before) >= 2  # 2 workers of 1 CPU each: two cpu_worker nodes were launched for them
+    killed_at = ckpt.latest_complete(run_dir, warn=False).step
+    kill_node(sorted(before)[0])
+
+    seen = set(before)
+    status, logs = wait_for(finished_job(local_cluster, job, seen), 480, "the job to finish", every=2)
     assert status == "SUCCEEDED", logs[-3000:]
-    assert most >= 2  # 2 workers of 1 CPU each: two cpu_worker nodes were launched for them
+    assert seen - before, "the autoscaler launched no node after the kill"
+    assert any(step >= killed_at for step in resumed_steps(logs)), logs[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["num_workers"] == 2 and summary["metrics"]["test/accuracy"] > 0.9
     wait_for(lambda: not worker_nodes(local_cluster), 180, "the idle worker nodes to go away", every=2)
@@ -171,59 +198,19 @@ def test_doctor_passes_on_the_cluster_and_names_storage_a_node_cannot_see(local_
         assert bad.returncode == 1, bad.stdout + bad.stderr[-3000:]
         last = bad.stderr.strip().splitlines()[-1]
         assert "is not shared" in last and str(hidden) in last, bad.stderr[-2000:]
+
+        # A training run whose worker lands on that node fails at once, saying so in one line.
+        train = [sys.executable, "-m", "rayjobs", "train", "--set", f"run.storage_path={hidden}"]
+        train += ["--set", "scaling.num_workers=1", "--set", "scaling.resources_per_worker={CPU: 1, island: 1}"]
+        train += ["--set", "tracking.enabled=false"]
+        failed = subprocess.run(train, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert failed.returncode == 1, failed.stderr[-3000:]
+        last = failed.stderr.strip().splitlines()[-1]
+        assert last.startswith("rayjobs: training failed: ") and "run.storage_path is not shared" in last, last
     finally:
         node.terminate()
         node.wait(timeout=60)
         cluster.stop_processes([r"island"])
-
-
-def finished_job(started: cluster.LocalCluster, job: str, seen: set[str] | None = None):
-    """A wait_for predicate: (status, logs) once the job ended; notes the worker nodes it sees."""
-
-    def check():
-        if seen is not None:
-            seen.update(n["node_id"] for n in worker_nodes(started))
-        status, logs = job_status(started, job)
-        return (status, logs) if status in ("SUCCEEDED", "FAILED", "STOPPED") else None
-
-    return check
-
-
-def resumed_steps(logs: str) -> list[int]:
-    return [int(line.split(" at step ")[1].split()[0]) for line in logs.splitlines() if "resumed from" in line]
-
-
-def test_a_killed_worker_node_is_replaced_and_training_resumes(local_cluster, tmp_path):
-    """A worker node's raylet killed mid-run: the autoscaler launches a node again, the worker group
-    restarts (failure.max_failures) from the newest checkpoint and the job completes."""
-    import psutil
-
-    wait_for(lambda: not worker_nodes(local_cluster), 180, "a cluster without worker nodes")
-    run_dir = tmp_path / "kill"
-    job = submit(
-        local_cluster,
-        *("--set", f"run.storage_path={tmp_path}", "--set", "run.name=kill", "--set", "scaling.num_workers=2"),
-        *("--set", "failure.max_failures=2", "--set", "training.epochs=4", "--set", "checkpoint.every_steps=10"),
-        *("--set", "tracking.enabled=false"),
-    )
-    wait_for(lambda: ckpt.latest_complete(run_dir, warn=False), 420, "a first checkpoint", every=2)
-    before = {n["node_id"] for n in worker_nodes(local_cluster)}
-    victim = worker_nodes(local_cluster)[0]["node_id"]
-    raylets = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if (cmd := " ".join(p.info["cmdline"] or [])).split(" ", 1)[0].endswith("raylet")
-        and f"--node_id={victim}" in cmd
-    ]
-    assert raylets, f"no raylet process for node {victim}"
-    killed_at = ckpt.latest_complete(run_dir, warn=False).step
-    for p in raylets:
-        p.kill()
-    seen = set(before)
-    status, logs = wait_for(finished_job(local_cluster, job, seen), 480, "the job to finish", every=2)
-    assert status == "SUCCEEDED", logs[-3000:]
-    assert seen - before, "the autoscaler launched no node after the kill"
-    assert any(step >= killed_at for step in resumed_steps(logs)), logs[-3000:]
 
 
 def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_cluster, tmp_path):
@@ -235,7 +222,7 @@ def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_
         *("--set", f"run.storage_path={tmp_path}", "--set", "run.name=elastic"),
         *("--set", "scaling.num_workers=[1, 2]", "--set", "scaling.resources_per_worker={CPU: 1, elastic: 1}"),
         *("--set", "scaling.elastic_resize_interval_s=5", "--set", "failure.max_failures=2"),
-        *("--set", "training.epochs=5", "--set", "checkpoint.every_steps=5", "--set", "tracking.enabled=false"),
+        *("--set", "training.epochs=4", "--set", "checkpoint.every_steps=5", "--set", "tracking.enabled=false"),
     )
 
     def join(name: str) -> subprocess.Popen:

@@ -149,7 +149,7 @@ def test_search_driver_killed_then_resume_finishes_every_trial_once(ray_head, tm
         "--set",
         "training.eval_every=10",
         "--set",
-        "tune.num_samples=3",
+        "tune.num_samples=2",
         "--set",
         "tune.scheduler=fifo",
         "--set",
@@ -185,7 +185,7 @@ def test_search_driver_killed_then_resume_finishes_every_trial_once(ray_head, tm
         assert int(resumed[0].split(" at step ")[1].split()[0]) >= step
     trial_dirs = [d for d in trials_dir.iterdir() if d.is_dir()]
     finished = {d.name: getattr(ckpt.latest_complete(d, warn=False), "step", None) for d in trial_dirs}
-    assert len(finished) == 3 and set(finished.values()) == {38}, (
+    assert len(finished) == 2 and set(finished.values()) == {38}, (
         finished,
         sorted(p.name for p in trials_dir.iterdir()),
     )
@@ -194,5 +194,5 @@ def test_search_driver_killed_then_resume_finishes_every_trial_once(ray_head, tm
     c = client(f"sqlite:///{tmp_path}/mlflow.db")
     runs = c.search_runs([c.get_experiment_by_name("rayjobs").experiment_id])
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
-    assert len(children) == 3 and len({r.data.tags["rayjobs.run_key"] for r in children}) == 3
-    assert len(runs) == 4
+    assert len(children) == 2 and len({r.data.tags["rayjobs.run_key"] for r in children}) == 2
+    assert len(runs) == 3
