@@ -82,7 +82,7 @@ def run_under_ray(spec: dict[str, Any], workers: int) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     if not ray.is_initialized():
-        ray.init(num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
     trainer = TorchTrainer(
         _ray_worker,
         train_loop_config={"spec": spec},

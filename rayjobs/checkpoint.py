@@ -15,7 +15,6 @@ Nothing here unpickles code: tensors load with ``weights_only=True`` and the res
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -37,11 +36,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from rayjobs.object_store import CHECKPOINT_RE, MANIFEST, sha256_file
 from rayjobs.parallel import WorkerContext
 
-MANIFEST = "manifest.json"
 STATE = "state.json"
-CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8})$")
+# Which rank wrote a file of a checkpoint: DCP names its shards ``__<rank>_<n>.distcp``; the RNG
+# states are ``rank_<rank>.pt``; the rest (``.metadata``, ``state.json``) is rank 0's.
+WRITER_RE = re.compile(r"^(?:__(\d+)[_.]|rank_(\d+)\.pt$)")
 
 # DCP warns when it saves or loads in one process; in local mode that is the intent.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -91,16 +92,14 @@ def _log(message: str) -> None:
     sys.stdout.flush()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _distributed(ctx: WorkerContext) -> bool:
     return ctx.world_size > 1 and dist.is_initialized()
+
+
+def _written_by(name: str, rank: int) -> bool:
+    """Whether ``rank`` wrote this file of a checkpoint (and so uploads it)."""
+    m = WRITER_RE.match(name)
+    return int(m.group(1) or m.group(2)) == rank if m else rank == 0
 
 
 def _barrier(ctx: WorkerContext) -> None:
@@ -164,7 +163,7 @@ def verify(path: str | Path) -> str:
         f = p / name
         if not f.is_file():
             return f"missing file {name}"
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             return f"sha256 mismatch in {name}"
     return ""
 
@@ -182,13 +181,28 @@ def list_checkpoints(run_dir: str | Path, check: bool = True) -> list[Checkpoint
         problem = verify(child) if check else ""
         info = CheckpointInfo(str(child), int(m.group(1)), complete=not problem, problem=problem)
         state_file = child / STATE
-        if state_file.is_file():
-            try:
-                state = json.loads(state_file.read_text())
-                info.metrics = state.get("train", {}).get("metrics", {})
-                info.world_size = state.get("world_size")
-            except ValueError:
-                pass
+        _add_state(info, state_file.read_bytes() if state_file.is_file() else None)
+        out.append(info)
+    return out
+
+
+def _add_state(info: CheckpointInfo, raw: bytes | None) -> None:
+    """Fill a listing's metrics and world size from a checkpoint's state.json (when readable)."""
+    try:
+        state = json.loads(raw) if raw else {}
+    except ValueError:
+        return
+    info.metrics = state.get("train", {}).get("metrics", {})
+    info.world_size = state.get("world_size")
+
+
+def list_bucket_checkpoints(store: Any) -> list[CheckpointInfo]:
+    """Every checkpoint of a run in an object store (``object_store.RunStore``), oldest first."""
+    out = []
+    for name in store.checkpoint_names():
+        problem = store.problem(name)
+        info = CheckpointInfo(store.url(name), int(CHECKPOINT_RE.match(name).group(1)), not problem, problem)
+        _add_state(info, store.read_bytes(f"{name}/{STATE}"))
         out.append(info)
     return out
 
@@ -206,47 +220,72 @@ def latest_complete(run_dir: str | Path, warn: bool = True) -> CheckpointInfo | 
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"
 
 
-def reconcile_ray_snapshot(run_dir: str | Path) -> list[str]:
+def reconcile_ray_snapshot(run_dir: str | Path, store: Any = None) -> list[str]:
     """Drop the checkpoints we pruned from Ray Train's own list of a run's checkpoints.
 
-    Ray writes ``checkpoint_manager_snapshot.json`` in the run's directory naming every reported
-    checkpoint, and its controller refuses to start when one of them is gone. rayjobs prunes its
-    checkpoints itself (``keep_last``/``keep_best``), so before a re-run with the same name the
-    snapshot is rewritten without the missing ones (atomically); a snapshot that cannot be read
-    is removed: rayjobs resumes from its own manifests, never from Ray's list. Returns the
-    checkpoint names dropped (``["*"]`` when the whole snapshot went).
+    Ray writes ``checkpoint_manager_snapshot.json`` in the run's directory (the bucket's, with an
+    object store) naming every reported checkpoint, and its controller refuses to start when one
+    of them is gone. rayjobs prunes its checkpoints itself (``keep_last``/``keep_best``), so before
+    a re-run with the same name the snapshot is rewritten without the missing ones; a snapshot that
+    cannot be read is removed: rayjobs resumes from its own manifests, never from Ray's list.
+    Returns the checkpoint names dropped (``["*"]`` when the whole snapshot went).
     """
-    path = Path(run_dir) / RAY_SNAPSHOT
-    if not path.is_file():
+    if store is not None:
+        raw = store.read_bytes(RAY_SNAPSHOT)
+        present = set(store.checkpoint_names())
+
+        def write(text: str) -> None:
+            store.write_bytes(RAY_SNAPSHOT, text.encode())
+
+        def remove() -> None:
+            store.fs.delete_file(store.path(RAY_SNAPSHOT))
+    else:
+        path = Path(run_dir) / RAY_SNAPSHOT
+        raw = path.read_bytes() if path.is_file() else None
+        present = {p.name for p in Path(run_dir).iterdir() if p.is_dir()} if raw is not None else set()
+
+        def write(text: str) -> None:
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)  # atomic
+
+        def remove() -> None:
+            path.unlink()
+
+    if raw is None:
         return []
     try:
-        state = json.loads(path.read_text())
-        results = state["checkpoint_results"]
-        indices = state["checkpoint_report_indices"]
-        names = [r["checkpoint_dir_name"] for r in results]
-        gone = [n for n in names if not (Path(run_dir) / n).is_dir()]
-        if not gone:
-            return []
-        kept = [(r, i) for r, i in zip(results, indices, strict=True) if r["checkpoint_dir_name"] not in gone]
-        state["checkpoint_results"] = [r for r, _ in kept]
-        state["checkpoint_report_indices"] = [i for _, i in kept]
-        latest = state.get("latest_checkpoint_result")
-        if latest is not None and latest["checkpoint_dir_name"] in gone:
-            state["latest_checkpoint_result"] = kept[-1][0] if kept else None
-        pending = list(zip(state["pending_training_results"], state["pending_validation_specs"], strict=True))
-        pending = [(r, v) for r, v in pending if r["checkpoint_dir_name"] not in gone]
-        state["pending_training_results"] = [r for r, _ in pending]
-        state["pending_validation_specs"] = [v for _, v in pending]
-        for key, value in state.items():
-            if key.endswith("_checkpoint_dir_names"):
-                state[key] = [n for n in value if n not in gone]
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
-        return gone
+        state = json.loads(raw)
+        gone = _drop_from_snapshot(state, present)
     except (ValueError, KeyError, TypeError, AttributeError):
-        path.unlink()
+        remove()
         return ["*"]
+    if gone:
+        write(json.dumps(state))
+    return gone
+
+
+def _drop_from_snapshot(state: dict[str, Any], present: set[str]) -> list[str]:
+    """Remove from Ray's snapshot (in place) every checkpoint whose directory is not in ``present``."""
+    results = state["checkpoint_results"]
+    indices = state["checkpoint_report_indices"]
+    gone = [r["checkpoint_dir_name"] for r in results if r["checkpoint_dir_name"] not in present]
+    if not gone:
+        return []
+    kept = [(r, i) for r, i in zip(results, indices, strict=True) if r["checkpoint_dir_name"] not in gone]
+    state["checkpoint_results"] = [r for r, _ in kept]
+    state["checkpoint_report_indices"] = [i for _, i in kept]
+    latest = state.get("latest_checkpoint_result")
+    if latest is not None and latest["checkpoint_dir_name"] in gone:
+        state["latest_checkpoint_result"] = kept[-1][0] if kept else None
+    pending = list(zip(state["pending_training_results"], state["pending_validation_specs"], strict=True))
+    pending = [(r, v) for r, v in pending if r["checkpoint_dir_name"] not in gone]
+    state["pending_training_results"] = [r for r, _ in pending]
+    state["pending_validation_specs"] = [v for _, v in pending]
+    for key, value in state.items():
+        if key.endswith("_checkpoint_dir_names"):
+            state[key] = [n for n in value if n not in gone]
+    return gone
 
 
 # ---------------------------------------------------------------------------------------------
@@ -266,8 +305,10 @@ class Saver:
         metric: str = "val/loss",
         mode: str = "min",
         async_save: bool = False,
+        store: Any = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.store = store  # an object_store.RunStore: committed checkpoints are uploaded there too
         self.ctx = ctx
         self.config = config
         self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
@@ -278,6 +319,7 @@ class Saver:
         self._pending: Future | None = None
         self._committed = threading.Event()
         self._pending_error: BaseException | None = None
+        self._to_publish: tuple[Path, int] | None = None  # an async save to upload once it is committed
         self.blocked_s: list[float] = []  # time the training loop was blocked per save
 
     def save(
@@ -296,7 +338,8 @@ class Saver:
         started = time.perf_counter()
         failed = ""
         try:
-            if self.ctx.is_main:
+            # One rank per directory: rank 0, and with an object store one rank per node (node-local copies).
+            if self.ctx.is_main or (self.store is not None and self.ctx.local_rank == 0):
                 if path.exists():  # a partial save of an earlier attempt: never mix it with this one
                     shutil.rmtree(path)
                 path.mkdir(parents=True)
@@ -328,6 +371,7 @@ class Saver:
             self.blocked_s.append(time.perf_counter() - started)
             return str(path)
         self._pending = future
+        self._to_publish = (path, step) if self.store is not None else None
         self._committed = threading.Event()
         if self.ctx.is_main:
             future.add_done_callback(lambda f: self._commit_async(f, path, train_state))
@@ -349,6 +393,9 @@ class Saver:
             if self._pending_error is not None:
                 err, self._pending_error = self._pending_error, None
                 raise CheckpointError(f"async checkpoint save failed: {type(err).__name__}: {err}") from err
+            if self._to_publish is not None:
+                (path, step), self._to_publish = self._to_publish, None
+                self._publish(path, step)
 
     def _state_json(self, step: int, scheduler: Any, scaler: Any, state: TrainState) -> dict[str, Any]:
         sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
@@ -368,17 +415,21 @@ class Saver:
         if self.ctx.is_main:
             try:
                 self._write_manifest(path, train_state)
-                self._prune()
+                if self.store is None:
+                    self._prune()
             except OSError as exc:
                 failed = f"{type(exc).__name__}: {exc}"
         if _any_rank(bool(failed), self.ctx):
             self._fail(train_state["step"], path, failed or "rank 0 could not commit")
+        if self.store is not None:
+            self._publish(path, train_state["step"])
 
     def _commit_async(self, future: Future, path: Path, train_state: dict[str, Any]) -> None:
         try:
             if future.exception() is None:
                 self._write_manifest(path, train_state)
-                self._prune()
+                if self.store is None:
+                    self._prune()
         except OSError as exc:
             self._pending_error = exc
         finally:
@@ -386,21 +437,89 @@ class Saver:
 
     def _write_manifest(self, path: Path, train_state: dict[str, Any]) -> None:
         (path / STATE).write_text(json.dumps(train_state, indent=1, sort_keys=True))
-        files = {f.name: _sha256(f) for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+        files = {f.name: sha256_file(f) for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
         tmp = path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"step": train_state["step"], "files": files}, indent=1, sort_keys=True))
         os.replace(tmp, path / MANIFEST)  # atomic: the checkpoint is complete from here on
 
+    def _keep(self, complete: list[tuple[str, dict[str, float]]]) -> set[str]:
+        """Which of the complete checkpoints (name, metrics; oldest first) ``keep_last``/``keep_best`` keep."""
+        keep = {n for n, _ in complete[-self.keep_last :]} if self.keep_last > 0 else {n for n, _ in complete}
+        if self.keep_best > 0:
+            scored = [(n, m) for n, m in complete if self.metric in m]
+            scored.sort(key=lambda c: c[1][self.metric], reverse=self.mode == "max")
+            keep |= {n for n, _ in scored[: self.keep_best]}
+        return keep
+
     def _prune(self) -> None:
         complete = [c for c in list_checkpoints(self.run_dir, check=False) if (Path(c.path) / MANIFEST).is_file()]
-        keep = {c.path for c in complete[-self.keep_last :]} if self.keep_last > 0 else {c.path for c in complete}
-        if self.keep_best > 0:
-            scored = [c for c in complete if self.metric in c.metrics]
-            scored.sort(key=lambda c: c.metrics[self.metric], reverse=self.mode == "max")
-            keep |= {c.path for c in scored[: self.keep_best]}
+        keep = self._keep([(c.path, c.metrics) for c in complete])
         for c in complete:
             if c.path not in keep:
                 shutil.rmtree(c.path, ignore_errors=True)
+
+    def _publish(self, path: Path, step: int) -> None:
+        """Upload a committed checkpoint to the object store (every rank its own files), then its manifest.
+
+        The manifest (sha256 and size of every rank's files) goes up last, from rank 0: the bucket's
+        commit marker. Then the bucket is pruned like a directory, and one rank per node drops the
+        local copies the bucket no longer keeps.
+        """
+        from rayjobs.object_store import StoreError
+
+        mine: dict[str, tuple[str, int]] = {}
+        failed = ""
+        try:
+            for f in sorted(path.iterdir()):
+                if (
+                    not f.is_file()
+                    or f.name == MANIFEST
+                    or f.name.endswith(".tmp")
+                    or not _written_by(f.name, self.ctx.rank)
+                ):
+                    continue
+                mine[f.name] = (sha256_file(f), f.stat().st_size)
+                self.store.upload(f, f"{path.name}/{f.name}")
+        except (OSError, StoreError) as exc:
+            failed = str(exc)
+        if _any_rank(bool(failed), self.ctx):
+            self._fail(step, Path(self.store.url(path.name)), failed or "another rank could not upload its files")
+        parts: list[Any] = [mine]
+        if _distributed(self.ctx):
+            parts = [None] * self.ctx.world_size
+            dist.all_gather_object(parts, mine)
+        kept: list[Any] = [None]
+        if self.ctx.is_main:
+            files = {n: d for part in parts for n, (d, _) in part.items()}
+            sizes = {n: size for part in parts for n, (_, size) in part.items()}
+            try:
+                manifest = {"step": step, "files": dict(sorted(files.items())), "sizes": dict(sorted(sizes.items()))}
+                self.store.write_bytes(f"{path.name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
+                kept = [sorted(self._prune_store())]
+            except StoreError as exc:
+                failed = str(exc)
+        if _any_rank(bool(failed), self.ctx):
+            self._fail(step, Path(self.store.url(path.name)), failed or "rank 0 could not commit it in the bucket")
+        if _distributed(self.ctx):
+            dist.broadcast_object_list(kept, src=0)
+        if self.ctx.local_rank == 0:
+            for child in self.run_dir.iterdir():
+                if CHECKPOINT_RE.match(child.name) and child.name not in kept[0]:
+                    shutil.rmtree(child, ignore_errors=True)
+
+    def _prune_store(self) -> set[str]:
+        """Delete the bucket's complete checkpoints that keep_last/keep_best drop; return the names kept."""
+        complete = []
+        for name in self.store.checkpoint_names():
+            if self.store.manifest(name) is None:
+                continue
+            state = json.loads(self.store.read_bytes(f"{name}/{STATE}") or b"{}")
+            complete.append((name, state.get("train", {}).get("metrics", {})))
+        keep = self._keep(complete)
+        for name, _ in complete:
+            if name not in keep:
+                self.store.delete(name)
+        return keep
 
     def _fail(self, step: int, path: Path, reason: str) -> None:
         previous = latest_complete(self.run_dir, warn=False)
@@ -410,6 +529,47 @@ class Saver:
 
 # ---------------------------------------------------------------------------------------------
 # Loading.
+
+
+def fetch_latest(store: Any, run_dir: str | Path, ctx: WorkerContext) -> str | None:
+    """Download the newest complete checkpoint of the object store into ``run_dir``; its local path, or None.
+
+    Rank 0 lists the bucket; one rank per node downloads (files already cached with the right
+    sha256 stay); a checkpoint that fails its sha256 on any node is skipped with a warning, like
+    an incomplete one, and the next older one is tried. Collective: every rank calls it.
+    """
+    candidates: list[Any] = [None]
+    failed = ""
+    if ctx.is_main:
+        try:
+            names, skipped = [], []
+            for name in reversed(store.checkpoint_names()):
+                problem = store.problem(name)
+                (skipped.append((name, problem)) if problem else names.append(name))
+            for name, problem in skipped:
+                _log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
+            candidates = [names]
+        except Exception as exc:  # noqa: BLE001 - StoreError names the URI
+            failed = str(exc)
+    if _any_rank(bool(failed), ctx):
+        raise CheckpointError(failed or "rank 0 could not list the object store")
+    if _distributed(ctx):
+        dist.broadcast_object_list(candidates, src=0)
+    for name in candidates[0]:
+        local = Path(run_dir) / name
+        problem = error = ""
+        if ctx.local_rank == 0:
+            try:
+                problem = store.fetch(name, local) or verify(local)
+            except Exception as exc:  # noqa: BLE001 - an unreachable bucket stops the run: no silent restart from 0
+                error = str(exc)
+        if _any_rank(bool(error), ctx):
+            raise CheckpointError(error or f"another node could not download {store.url(name)}")
+        if not _any_rank(bool(problem), ctx):
+            return str(local)
+        if problem:
+            _log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
+    return None
 
 
 def load(

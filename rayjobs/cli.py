@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
     listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
-    listing.add_argument("--storage-path", default="results", help="where run names are looked up")
+    listing.add_argument(
+        "--storage-path", default="results", help="where run names are looked up (a path, or the run's s3://... URI)"
+    )
 
     export = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict or safetensors")
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
@@ -206,7 +208,7 @@ def _doctor(args: argparse.Namespace) -> None:
     from rayjobs.tracking import tracking_uri
 
     cfg = load_config(args.config, args.overrides)
-    sys.exit(doctor.main(cfg.storage_path, tracking_uri(cfg), args.working_dir))
+    sys.exit(doctor.main(cfg.storage_uri or cfg.storage_path, tracking_uri(cfg), args.working_dir))
 
 
 def _cluster(args: argparse.Namespace) -> None:
@@ -226,13 +228,24 @@ def _cluster(args: argparse.Namespace) -> None:
 def _checkpoints(args: argparse.Namespace) -> None:
     import os
 
-    from rayjobs.checkpoint import list_checkpoints
+    from rayjobs.checkpoint import list_bucket_checkpoints, list_checkpoints
+    from rayjobs.object_store import RunStore, check_uri, is_uri
 
-    named = os.path.join(args.storage_path, args.run)
-    run_dir = named if os.path.isdir(named) else args.run
-    if not os.path.isdir(run_dir):
-        raise ConfigError(f"checkpoints: no run directory {args.run!r} (nor {run_dir}); give a run directory or name")
-    infos = list_checkpoints(run_dir)
+    if is_uri(args.storage_path):  # a run whose checkpoints are in a bucket
+        try:
+            check_uri(args.storage_path)
+        except ValueError as exc:
+            raise ConfigError(f"checkpoints: --storage-path: {exc}") from None
+        store = RunStore(args.storage_path, args.run)
+        run_dir, infos = store.url(), list_bucket_checkpoints(store)
+    else:
+        named = os.path.join(args.storage_path, args.run)
+        run_dir = named if os.path.isdir(named) else args.run
+        if not os.path.isdir(run_dir):
+            raise ConfigError(
+                f"checkpoints: no run directory {args.run!r} (nor {run_dir}); give a run directory or name"
+            )
+        infos = list_checkpoints(run_dir)
     if not infos:
         print(f"{run_dir}: no checkpoints")
         return

@@ -30,7 +30,16 @@ class Section(BaseModel):
 
 class RunSection(Section):
     name: str = Field("", description="Stable run name (no timestamps); empty: '<model>-<data>'.")
-    storage_path: str = Field("results", description="Where results and checkpoints go; made absolute.")
+    storage_path: str = Field(
+        "results",
+        description="Where results and checkpoints go: a path (made absolute; shared by every node on a cluster) "
+        "or an object store URI (s3://, gs://, abfs://, hdfs://) for the checkpoints.",
+    )
+    local_dir: str = Field(
+        "",
+        description="With an object store storage_path: each node's working directory (logs, MLflow spool, a cache "
+        "of checkpoints); empty: ~/.cache/rayjobs/<scheme>/<bucket>/<prefix>.",
+    )
 
     @field_validator("name")
     @classmethod
@@ -41,12 +50,11 @@ class RunSection(Section):
 
     @field_validator("storage_path")
     @classmethod
-    def _a_filesystem_path(cls, v: str) -> str:
-        if "://" in v:
-            raise ValueError(
-                "must be a filesystem path (object store URIs are not supported yet): mount the bucket "
-                "on every node (s3fs, gcsfuse, a CSI driver) and give the mount's path"
-            )
+    def _a_path_or_an_object_store(cls, v: str) -> str:
+        from rayjobs.object_store import check_uri, is_uri
+
+        if is_uri(v):
+            check_uri(v)
         return v
 
 
@@ -381,8 +389,19 @@ class RunConfig(Section):
 
     @property
     def storage_path(self) -> str:
-        """The absolute storage path (relative paths are taken from the current directory)."""
+        """The absolute local storage path: run.storage_path, or run.local_dir when that is an object store URI."""
+        from rayjobs.object_store import cache_dir_for, is_uri
+
+        if is_uri(self.run.storage_path):
+            return os.path.abspath(os.path.expanduser(self.run.local_dir or cache_dir_for(self.run.storage_path)))
         return os.path.abspath(os.path.expanduser(self.run.storage_path))
+
+    @property
+    def storage_uri(self) -> str:
+        """The object store URI of run.storage_path, or '' when it is a filesystem path."""
+        from rayjobs.object_store import is_uri
+
+        return self.run.storage_path if is_uri(self.run.storage_path) else ""
 
     @property
     def run_dir(self) -> str:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rayjobs.object_store import RunStore, StoreError, is_uri
+
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 PROBE_DIR = ".rayjobs-doctor"
 
@@ -31,6 +33,34 @@ class Check:
     name: str
     status: str
     detail: str
+
+
+def _write_probe(storage: str, name: str, text: str) -> str:
+    """Write one probe file under the storage path or into the bucket; '' or what went wrong."""
+    try:
+        if is_uri(storage):
+            RunStore(storage, PROBE_DIR).write_bytes(name, text.encode())
+        else:
+            Path(storage, PROBE_DIR).mkdir(parents=True, exist_ok=True)
+            Path(storage, PROBE_DIR, name).write_text(text)
+    except (OSError, StoreError) as exc:
+        return f"cannot write {_probe_place(storage, name)} ({getattr(exc, 'strerror', None) or exc})"
+    return ""
+
+
+def _read_probe(storage: str, name: str) -> str | None:
+    """A probe file's text, or None when it cannot be read."""
+    try:
+        if is_uri(storage):
+            raw = RunStore(storage, PROBE_DIR).read_bytes(name)
+            return raw.decode() if raw is not None else None
+        return Path(storage, PROBE_DIR, name).read_text()
+    except (OSError, StoreError):
+        return None
+
+
+def _probe_place(storage: str, name: str) -> str:
+    return RunStore(storage, PROBE_DIR).url(name) if is_uri(storage) else str(Path(storage, PROBE_DIR, name))
 
 
 def probe(storage_dir: str, nonce: str, tracking_uri: str) -> dict[str, Any]:
@@ -51,18 +81,14 @@ def probe(storage_dir: str, nonce: str, tracking_uri: str) -> dict[str, Any]:
         "versions": versions(mlflow, ray, torch, rayjobs),
         "devices": devices or [describe(torch.device("cpu"))],
     }
-    marker = Path(storage_dir, PROBE_DIR, "driver")
-    try:
-        seen = marker.read_text()
+    seen = _read_probe(storage_dir, "driver")
+    marker = _probe_place(storage_dir, "driver")
+    if seen is None:
+        out["storage"] = f"cannot read {marker}"
+    else:
         out["storage"] = "" if seen == nonce else f"{marker} holds another driver's mark"
-    except OSError as exc:
-        out["storage"] = f"cannot read {marker} ({exc.strerror or type(exc).__name__})"
     if not out["storage"]:
-        mine = Path(storage_dir, PROBE_DIR, f"node-{out['node_id'][:12]}")
-        try:
-            mine.write_text(nonce)
-        except OSError as exc:
-            out["storage"] = f"cannot write {mine} ({exc.strerror or type(exc).__name__})"
+        out["storage"] = _write_probe(storage_dir, f"node-{out['node_id'][:12]}", nonce)
     out["mlflow"] = reach_mlflow(tracking_uri)
     return out
 
@@ -105,13 +131,11 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str) -> list[C
             f"{len(nodes)} alive; CPU {sum(r.get('CPU', 0) for r in res):g}, GPU {sum(r.get('GPU', 0) for r in res):g}",
         )
     )
-    storage = os.path.abspath(os.path.expanduser(storage_path))
+    storage = storage_path if is_uri(storage_path) else os.path.abspath(os.path.expanduser(storage_path))
     nonce = secrets.token_hex(8)
-    try:
-        Path(storage, PROBE_DIR).mkdir(parents=True, exist_ok=True)
-        Path(storage, PROBE_DIR, "driver").write_text(nonce)
-    except OSError as exc:
-        checks.append(Check("storage", FAIL, f"run.storage_path {storage} is not writable here ({exc.strerror})"))
+    problem = _write_probe(storage, "driver", nonce)
+    if problem:
+        checks.append(Check("storage", FAIL, f"run.storage_path {storage}: the driver {problem}"))
         return checks
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -166,13 +190,15 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str) -> list[C
     blind = [(r, r["storage"]) for r in reports if r["storage"]]
     if blind:
         r, why = blind[0]
-        detail = (
-            f"run.storage_path {storage} is not shared: node {r['ip']} {why}; put it on a filesystem every node "
-            "mounts (NFS, EFS, a ReadWriteMany PVC) at the same path"
+        fix = (
+            "give every node the bucket's credentials (role or runtime_env env_vars) and network access"
+            if is_uri(storage)
+            else "put it on a filesystem every node mounts (NFS, EFS, a ReadWriteMany PVC) at the same path"
         )
+        detail = f"run.storage_path {storage} is not shared: node {r['ip']} {why}; {fix}"
         checks.append(Check("storage", FAIL, detail))
     else:
-        back = [r for r in reports if not Path(storage, PROBE_DIR, f"node-{r['node_id'][:12]}").is_file()]
+        back = [r for r in reports if _read_probe(storage, f"node-{r['node_id'][:12]}") != nonce]
         detail = (
             f"the driver cannot see what node {back[0]['ip']} wrote under {storage}"
             if back

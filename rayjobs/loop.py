@@ -33,6 +33,7 @@ from rayjobs import devices, memory, storage, strategies, telemetry
 from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import RunConfig, from_dict
 from rayjobs.faults import Faults
+from rayjobs.object_store import RunStore
 from rayjobs.parallel import WorkerContext, all_reduce_sum, current_context
 from rayjobs.train import record_event
 
@@ -53,8 +54,9 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     quiet_ray_train_logs()
     resolved = config.pop("_resolved", {})
     cfg = from_dict(config)
+    store = RunStore(cfg.storage_uri, cfg.run.name) if cfg.storage_uri else None  # checkpoints in a bucket
     if resolved.get("storage_mark"):
-        storage.check_shared(cfg.run_dir, resolved["storage_mark"])
+        storage.check_shared(cfg.run_dir, resolved["storage_mark"], store)
     ctx = current_context(bool(resolved.get("use_gpu", False)))
     if ctx.device.type == "cpu":
         torch.set_num_threads(max(1, int(resolved.get("cpus_per_worker", 1))))
@@ -95,7 +97,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     # 3. Resume from the newest complete checkpoint (restart, re-run) or checkpoint.resume_from.
     faults = Faults(cfg.faults, cfg.run_dir, ctx)
-    state, resumed_from = resume(cfg, ctx, model, optimizer, scheduler, scaler, faults)
+    state, resumed_from = resume(cfg, ctx, model, optimizer, scheduler, scaler, faults, store)
     saver = Saver(
         cfg.run_dir,
         ctx,
@@ -105,6 +107,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         cfg.checkpoint.metric,
         cfg.checkpoint.mode,
         cfg.checkpoint.async_save,
+        store,
     )
     preemption = Preemption(local_mode=bool(resolved.get("local_mode")))
     if ctx.is_main:
@@ -189,7 +192,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
                 saved_at_step = state.step
             if do_eval or do_save:  # a checkpoint-only report carries no stale eval metrics
                 shown = state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}
-                report(shown, path if do_save else None, resolved)
+                report(shown, path if do_save else None, resolved, store)
             preemption.exit_if_requested(ctx)
 
     # 6. Final: test metrics, a checkpoint of the final state (always), one last report.
@@ -209,7 +212,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         mlflow_log.log(state.metrics, state.step)
         if not mlflow_log.close(timeout=30):
             log(f"MLflow unreachable at the end: metrics stay spooled in {mlflow_log.spool}; the driver retries")
-    report(state.metrics, final, resolved)
+    report(state.metrics, final, resolved, store)
     return {"stopped": "done", "step": state.step}
 
 
@@ -324,10 +327,17 @@ def resume(
     scheduler: Any,
     scaler: Any,
     faults: Faults,
+    store: RunStore | None = None,
 ) -> tuple[TrainState, tuple[str, int] | None]:
-    """Load the checkpoint to resume from, if any; rank 0 chooses (and verifies) it for every rank."""
+    """Load the checkpoint to resume from, if any; rank 0 chooses (and verifies) it for every rank.
+
+    With an object store the newest complete checkpoint in the bucket is downloaded first.
+    """
     choice: list[Any] = [None]
-    if ctx.is_main:
+    from_bucket = store is not None and not cfg.checkpoint.resume_from
+    if from_bucket:  # every rank takes part; each gets the same local copy's path
+        choice = [ckpt.fetch_latest(store, cfg.run_dir, ctx)]
+    elif ctx.is_main:
         faults.corrupt_latest(cfg.run_dir)
         if cfg.checkpoint.resume_from:
             problem = ckpt.verify(cfg.checkpoint.resume_from)
@@ -341,7 +351,7 @@ def resume(
             choice = [info.path if info else None]
             if info is None and ckpt.list_checkpoints(cfg.run_dir, check=False):
                 log(f"no complete checkpoint in {cfg.run_dir}: starting from step 0")
-    if ctx.world_size > 1 and dist.is_initialized():
+    if ctx.world_size > 1 and dist.is_initialized() and not from_bucket:
         dist.broadcast_object_list(choice, src=0)
     path = choice[0]
     if path is None:
@@ -658,7 +668,9 @@ def build_scheduler(
     return scheduler
 
 
-def report(metrics: dict[str, Any], checkpoint_path: str | None, resolved: dict[str, Any]) -> None:
+def report(
+    metrics: dict[str, Any], checkpoint_path: str | None, resolved: dict[str, Any], store: RunStore | None = None
+) -> None:
     """``ray.train.report`` on every rank (a barrier); rank 0 names the committed checkpoint.
 
     Checkpoints are written straight into the run's storage by DCP, so Ray Train only records
@@ -672,4 +684,8 @@ def report(metrics: dict[str, Any], checkpoint_path: str | None, resolved: dict[
 
         append_history(resolved["local_history_path"], metrics)
     checkpoint = ray.train.Checkpoint(checkpoint_path) if checkpoint_path else None
+    if checkpoint is not None and store is not None and not resolved.get("local_mode"):
+        # Uploaded already (Saver): Ray records its place in the bucket, on the filesystem Ray was given.
+        fs = ray.train.get_context().get_storage().storage_filesystem
+        checkpoint = ray.train.Checkpoint(store.path(os.path.basename(checkpoint_path)), filesystem=fs)
     ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)

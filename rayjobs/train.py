@@ -15,6 +15,7 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rayjobs import storage
@@ -246,6 +247,7 @@ def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
     # Ray's 60 s default turns that into restart loops.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
     ray.init(
+        address="local",  # a new Ray of our own, even where a `ray start` cluster runs (RAY_ADDRESS picks that)
         num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
         runtime_env={
             "env_vars": {
@@ -295,6 +297,7 @@ def run(
     from rayjobs.loop import train_fn_per_worker
 
     run_dir = os.path.join(cfg.storage_path, cfg.run.name)
+    store = open_store(cfg)
     history_path = os.path.join(run_dir, "metrics.jsonl")
     estimate = print_memory_estimate(cfg, plan)
     if local_mode:
@@ -310,7 +313,7 @@ def run(
         "local_history_path": history_path if local_mode else None,
         "stop_at_step": stop_at_step,
         "memory_estimate_bytes": estimate,
-        "storage_mark": None if local_mode else storage.mark(run_dir),
+        "storage_mark": None if local_mode else storage.mark(run_dir, store),
         "mlflow": {"run_id": mlflow_run_id, "run_key": run_dir, "spool": os.path.join(run_dir, ".mlflow-spool.jsonl")},
     }
     datasets = None
@@ -329,7 +332,7 @@ def run(
     if not local_mode:
         from rayjobs.checkpoint import reconcile_ray_snapshot
 
-        reconcile_ray_snapshot(run_dir)  # a re-run's controller must not trip on checkpoints we pruned
+        reconcile_ray_snapshot(run_dir, store)  # a re-run's controller must not trip on checkpoints we pruned
     trainer = TorchTrainer(
         train_fn_per_worker,
         train_loop_config=loop_config,
@@ -344,7 +347,8 @@ def run(
         ),
         run_config=RayRunConfig(
             name=cfg.run.name,
-            storage_path=cfg.storage_path,
+            storage_path=store.base if store else cfg.storage_path,
+            storage_filesystem=store.fs if store else None,
             failure_config=FailureConfig(max_failures=cfg.failure.max_failures),
             logging_config=LoggingConfig(log_level="WARNING"),
             callbacks=[] if local_mode else [_history_callback(history_path), *(callbacks or [])],
@@ -364,11 +368,16 @@ def run(
     if ended.get("stopped") == "nan":
         from rayjobs.checkpoint import latest_complete
 
-        good = latest_complete(run_dir, warn=False)
+        if store is not None:
+            names = [n for n in store.checkpoint_names() if not store.problem(n)]
+            good_path = store.url(names[-1]) if names else None
+        else:
+            good = latest_complete(run_dir, warn=False)
+            good_path = good.path if good else None
         ranks = ", ".join(map(str, ended["ranks"]))
         raise TrainingFailed(
             f"non-finite loss at step {ended['step']} on rank(s) {ranks}; every rank "
-            f"stopped at that step; last good checkpoint: {good.path if good else 'none'}. Try a lower optim.lr, "
+            f"stopped at that step; last good checkpoint: {good_path or 'none'}. Try a lower optim.lr, "
             f"optim.grad_clip, or training.nan_policy=skip"
         )
     metrics = {k: v for k, v in (result.metrics or {}).items() if isinstance(v, (int, float))}
@@ -376,6 +385,7 @@ def run(
         "run_name": cfg.run.name,
         "storage_path": run_dir,
         "checkpoint": result.checkpoint.path if result.checkpoint else None,
+        "checkpoint_uri": None,
         "mlflow_run_id": None,
         "wall_s": round(time.time() - started, 2),
         "samples_per_s": metrics.get("train/samples_per_s"),
@@ -384,6 +394,8 @@ def run(
         "metrics": metrics,
         "history": history_path,
     }
+    if store is not None and summary["checkpoint"]:
+        summary["checkpoint_uri"], summary["checkpoint"] = fetch_final(store, run_dir, summary["checkpoint"])
     if cfg.tracking.enabled:
         summary["mlflow_run_id"] = finish_tracking(cfg, mlflow_run_id, summary, final=final)
     return summary
@@ -396,6 +408,27 @@ def worker_runtime_env(cfg: RunConfig) -> dict[str, Any]:
     from rayjobs.tracking import worker_env
 
     return {"env_vars": worker_env(cfg)}
+
+
+def open_store(cfg: RunConfig) -> Any:
+    """The run's directory in the object store of run.storage_path, or None for a filesystem path."""
+    if not cfg.storage_uri:
+        return None
+    from rayjobs.object_store import RunStore
+
+    store = RunStore(cfg.storage_uri, cfg.run.name)
+    store.check()  # before Ray starts: a wrong endpoint or missing credentials fail here, in one line
+    return store
+
+
+def fetch_final(store: Any, run_dir: str, reported: str) -> tuple[str, str]:
+    """(its URL, a local copy) of the final checkpoint Ray reported in the bucket: the driver logs the local copy."""
+    name = os.path.basename(reported.rstrip("/"))
+    local = os.path.join(run_dir, name)
+    problem = store.fetch(name, Path(local))
+    if problem:
+        raise TrainingFailed(f"the final checkpoint {store.url(name)} does not match its manifest: {problem}")
+    return store.url(name), local
 
 
 def start_tracking(cfg: RunConfig, plan: ScalingPlan, extra_tags: dict[str, str] | None = None) -> str | None:
@@ -495,6 +528,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  results:    {summary['storage_path']}",
         f"  checkpoint: {summary['checkpoint']}",
     ]
+    if summary.get("checkpoint_uri"):
+        lines.append(f"  in bucket:  {summary['checkpoint_uri']}")
     return "\n".join(lines)
 
 

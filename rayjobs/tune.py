@@ -41,6 +41,11 @@ def _numbers(values: Any, n: int) -> bool:
 def space_problems(cfg: RunConfig) -> list[str]:
     """One line per problem in ``tune.space`` (paths, kinds, bounds, value types)."""
     problems = []
+    if cfg.storage_uri:
+        problems.append(
+            f"run.storage_path: {cfg.storage_uri}: a search needs a filesystem path (its trials share Tune's "
+            "experiment directory); object store URIs work with `rayjobs train` only: mount the bucket and give its path"
+        )
     base = cfg.model_dump(mode="json", by_alias=True)
     if cfg.tracking.enabled and not cfg.tracking.uri:  # trials live elsewhere: pin the search's own store
         from rayjobs.tracking import tracking_uri
@@ -325,7 +330,8 @@ def _max_concurrent(cfg: RunConfig, trial_resources: dict[str, float]) -> int:
     import ray
 
     total = ray.cluster_resources().get("CPU", 1.0)
-    workers = cfg.scaling.num_workers if isinstance(cfg.scaling.num_workers, int) else 2
+    n = cfg.scaling.num_workers
+    workers = n if isinstance(n, int) else max(n)  # an elastic trial may grow to its maximum
     per_trial = trial_resources["CPU"] + workers * cfg.scaling.resources_per_worker.get("CPU", 1.0)
     return max(1, int(total // per_trial))
 

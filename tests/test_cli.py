@@ -175,9 +175,9 @@ GPT_DEBUG += ["--set", "data.kwargs={kind: tokens, seq_len: 16}", "--set", "scal
             "scaling.num_workers: elastic workers are [min, max] with 1 <= min < max, got [2, 1]",
         ),
         (
-            ["run.storage_path=s3://bucket/runs"],
-            "run.storage_path: must be a filesystem path (object store URIs are not supported yet): mount the "
-            "bucket on every node (s3fs, gcsfuse, a CSI driver) and give the mount's path, got 's3://bucket/runs'",
+            ["run.storage_path=s3://AKIAEXAMPLE:hunter2@bucket/runs"],
+            "run.storage_path: must not carry credentials (user:secret@): set them in the environment "
+            "(AWS_ACCESS_KEY_ID, GOOGLE_APPLICATION_CREDENTIALS, ...) so they are never logged, got 's3://***@bucket/runs'",
         ),
     ],
 )

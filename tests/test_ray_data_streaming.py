@@ -27,6 +27,7 @@ def small_store_ray():
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
+        address="local",
         num_cpus=2,
         object_store_memory=STORE,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}},

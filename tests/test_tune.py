@@ -32,6 +32,10 @@ TUNE = "rayjobs/configs/tune-digits.yaml"
             ["tune.search=optuna", "tune.space.optim.name.grid=[adamw, sgd]"],
             "tune.space.optim.name: grid works with tune.search=random only",
         ),
+        (
+            ["run.storage_path=s3://bucket/runs"],
+            "run.storage_path: s3://bucket/runs: a search needs a filesystem path",
+        ),
     ],
 )
 def test_bad_search_spaces_are_one_line_errors(overrides, expected):

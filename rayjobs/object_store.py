@@ -1,0 +1,221 @@
+"""A run's checkpoints in an object store (``s3://``, ``gs://``, ``abfs://``, ``hdfs://``) through pyarrow.
+
+When ``run.storage_path`` is such a URI, every node works in a node-local directory
+(``run.local_dir``: logs, the MLflow spool, a cache of checkpoints) and the bucket holds what must
+outlive a node: each committed checkpoint, Ray Train's own state, and the driver's storage mark.
+
+A checkpoint reaches the bucket file by file, each rank uploading the files it wrote, and its
+manifest last (with every file's sha256 and size): as on a filesystem, a checkpoint whose manifest
+is not in the bucket is incomplete and never loaded. Resuming downloads the newest complete one into
+the local cache and checks every sha256 before loading. Credentials come from the environment
+(``AWS_*``, ``GOOGLE_APPLICATION_CREDENTIALS``, ``AZURE_STORAGE_*``), never from the URI; the
+endpoint and region may ride in its query (``s3://b/p?endpoint_override=host:port&scheme=http``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from rayjobs.errors import ExplainedFailure
+
+SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
+# A checkpoint's directory and its commit marker; the same on a filesystem (rayjobs.checkpoint).
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8})$")
+MANIFEST = "manifest.json"
+
+
+class StoreError(ExplainedFailure):
+    """The object store cannot be reached, read or written; the message names the URI and the fix."""
+
+
+def is_uri(path: str) -> bool:
+    """True for a ``scheme://`` storage location rather than a filesystem path."""
+    return "://" in path
+
+
+def check_uri(uri: str) -> None:
+    """Raise ValueError naming what is wrong with a storage URI (no network access); never echoes a secret."""
+    parts = urlsplit(uri)
+    if parts.scheme not in SCHEMES:
+        raise ValueError(f"object store URIs must start with {', '.join(s + '://' for s in SCHEMES)}, got {uri!r}")
+    if "@" in parts.netloc:
+        shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
+        raise ValueError(
+            "must not carry credentials (user:secret@): set them in the environment (AWS_ACCESS_KEY_ID, "
+            f"GOOGLE_APPLICATION_CREDENTIALS, ...) so they are never logged, got {shown!r}"
+        )
+    if not parts.netloc:
+        raise ValueError(f"names no bucket (write {parts.scheme}://BUCKET/PREFIX), got {uri!r}")
+
+
+def cache_dir_for(uri: str) -> str:
+    """The default node-local working directory for a storage URI: ``~/.cache/rayjobs/<scheme>/<bucket>/<prefix>``."""
+    parts = urlsplit(uri)
+    tail = re.sub(r"[^A-Za-z0-9._/-]", "_", f"{parts.netloc}/{parts.path.strip('/')}").strip("/")
+    return os.path.join(os.path.expanduser("~/.cache/rayjobs"), parts.scheme, tail)
+
+
+def open_filesystem(uri: str) -> tuple[Any, str]:
+    """(pyarrow filesystem, path inside it) for a storage URI; StoreError in one line when it cannot be opened."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds; the message says which
+        raise StoreError(f"run.storage_path {uri}: cannot open it: {_first_line(exc)}") from None
+    return fs, path.rstrip("/")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class RunStore:
+    """One run's directory in an object store: ``<storage URI>/<run name>``."""
+
+    def __init__(self, uri: str, run_name: str) -> None:
+        self.uri = uri
+        self.fs, self.base = open_filesystem(uri)
+        self.root = f"{self.base}/{run_name}"
+        self._scheme = urlsplit(uri).scheme
+
+    def path(self, *parts: str) -> str:
+        """The filesystem path (no scheme) of ``parts`` inside the run's directory."""
+        return "/".join([self.root, *parts])
+
+    def url(self, *parts: str) -> str:
+        """A readable URL of ``parts`` inside the run's directory (for messages and summaries)."""
+        return f"{self._scheme}://{self.path(*parts)}"
+
+    def _wrap(self, what: str, rel: str, exc: BaseException) -> StoreError:
+        return StoreError(
+            f"object store: cannot {what} {self.url(rel) if rel else self.url()}: {_first_line(exc)}; check the endpoint and the "
+            "credentials in this node's environment"
+        )
+
+    def check(self) -> None:
+        """Reach the bucket once (list the run's directory): StoreError in one line when it cannot."""
+        self.checkpoint_names()
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write one object (whole)."""
+        try:
+            with self.fs.open_output_stream(self.path(rel)) as f:
+                f.write(data)
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("write", rel, exc) from None
+
+    def read_bytes(self, rel: str) -> bytes | None:
+        """One object's bytes, or None when it does not exist."""
+        import pyarrow.fs as pafs
+
+        try:
+            if self.fs.get_file_info(self.path(rel)).type != pafs.FileType.File:
+                return None
+            with self.fs.open_input_stream(self.path(rel)) as f:
+                return f.read()
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("read", rel, exc) from None
+
+    def upload(self, local: Path, rel: str) -> None:
+        """Copy one local file to ``rel``."""
+        try:
+            with open(local, "rb") as src, self.fs.open_output_stream(self.path(rel)) as dst:
+                for chunk in iter(lambda: src.read(8 << 20), b""):
+                    dst.write(chunk)
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("upload to", rel, exc) from None
+
+    def delete(self, name: str) -> None:
+        """Remove one checkpoint directory (its manifest first, so no reader sees it half gone as complete)."""
+        import pyarrow.fs as pafs
+
+        try:
+            if self.fs.get_file_info(self.path(name, MANIFEST)).type == pafs.FileType.File:
+                self.fs.delete_file(self.path(name, MANIFEST))
+            self.fs.delete_dir(self.path(name))
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("delete", name, exc) from None
+
+    def checkpoint_names(self) -> list[str]:
+        """Names of the checkpoint directories in the bucket, oldest first."""
+        import pyarrow.fs as pafs
+
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("list", "", exc) from None
+        names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and CHECKPOINT_RE.match(i.base_name)]
+        return sorted(names)
+
+    def manifest(self, name: str) -> dict[str, Any] | None:
+        """A checkpoint's manifest from the bucket, or None when it has none (incomplete)."""
+        raw = self.read_bytes(f"{name}/{MANIFEST}")
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return None
+
+    def problem(self, name: str) -> str:
+        """What is wrong with a checkpoint in the bucket ('' when its manifest and every file are there, sizes matching)."""
+        import pyarrow.fs as pafs
+
+        manifest = self.manifest(name)
+        if manifest is None:
+            return "no manifest in the bucket (the upload did not finish)"
+        sizes = manifest.get("sizes", {})
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path(name)))
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("list", name, exc) from None
+        present = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
+        for file in manifest.get("files", {}):
+            if file not in present:
+                return f"missing file {file} in the bucket"
+            if file in sizes and present[file] != sizes[file]:
+                return f"size mismatch in {file} in the bucket"
+        return ""
+
+    def fetch(self, name: str, local: Path) -> str:
+        """Download a checkpoint into ``local`` (files already there with the right sha256 are kept).
+
+        Returns '' when the local copy matches the bucket's manifest, else what is wrong with it.
+        """
+        manifest = self.manifest(name)
+        if manifest is None:
+            return "no manifest in the bucket"
+        local.mkdir(parents=True, exist_ok=True)
+        for file, digest in manifest["files"].items():
+            target = local / file
+            if target.is_file() and sha256_file(target) == digest:
+                continue
+            tmp = local / f".{file}.part"
+            try:
+                with self.fs.open_input_stream(self.path(name, file)) as src, open(tmp, "wb") as dst:
+                    for chunk in iter(lambda: src.read(8 << 20), b""):
+                        dst.write(chunk)
+            except Exception as exc:  # noqa: BLE001
+                raise self._wrap("download", f"{name}/{file}", exc) from None
+            os.replace(tmp, target)
+            if sha256_file(target) != digest:
+                return f"sha256 mismatch in {file} (downloaded from {self.url(name, file)})"
+        (local / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+        return ""
