@@ -115,7 +115,7 @@ def reach_mlflow(uri: str) -> str:
         return f"{uri} unreachable ({getattr(exc, 'reason', exc)})"
 
 
-def run_checks(storage_path: str, tracking_uri: str, working_dir: str) -> list[Check]:
+def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard_url: str = "") -> list[Check]:
     """Probe every alive node of the connected cluster and return the table's rows."""
     import ray
 
@@ -220,7 +220,7 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str) -> list[C
     else:
         checks.append(Check("mlflow", OK, f"{tracking_uri or 'sqlite under run.storage_path'} (file store)"))
     checks.append(working_dir_check(working_dir))
-    checks.append(token_check())
+    checks.append(token_check(dashboard_url))
     return checks
 
 
@@ -247,8 +247,8 @@ def working_dir_check(working_dir: str) -> Check:
     )
 
 
-def token_check() -> Check:
-    """Ray's token auth: on for this client and enforced by the cluster."""
+def token_check(dashboard_url: str = "") -> Check:
+    """Ray's token auth: on for this client, and enforced: the Jobs API refuses a request without the token."""
     mode = os.environ.get("RAY_AUTH_MODE", "")
     has_token = (
         bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
@@ -260,7 +260,23 @@ def token_check() -> Check:
         )
     if not has_token:
         return Check("token auth", WARN, "no token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token")
-    return Check("token auth", OK, "on (the client has a token)")
+    if not dashboard_url:
+        return Check("token auth", OK, "on (the client has a token; no dashboard to ask)")
+    url = f"{dashboard_url if '://' in dashboard_url else 'http://' + dashboard_url}/api/jobs/"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            status = resp.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError) as exc:
+        return Check("token auth", WARN, f"the client has a token, but {url} did not answer ({exc})")
+    if status in (401, 403):
+        return Check("token auth", OK, f"on: {url} refuses a request without the token ({status})")
+    return Check(
+        "token auth",
+        FAIL,
+        f"{url} answers a request without a token ({status}): start the cluster with RAY_AUTH_MODE=token",
+    )
 
 
 def table(checks: list[Check]) -> str:
@@ -276,9 +292,9 @@ def main(storage_path: str, tracking_uri: str, working_dir: str) -> int:
     import ray
 
     logging.getLogger("ray").setLevel(logging.WARNING)
-    ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False, logging_level=logging.WARNING)
+    ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False, logging_level=logging.WARNING)
     try:
-        checks = run_checks(storage_path, tracking_uri, working_dir)
+        checks = run_checks(storage_path, tracking_uri, working_dir, getattr(ctx, "dashboard_url", "") or "")
     finally:
         ray.shutdown()
     print(table(checks))

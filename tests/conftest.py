@@ -96,6 +96,26 @@ class RayHead:
             "--disable-usage-stats",
         ]
         subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
+        self.wait_until_jobs_are_accepted()
+
+    def wait_until_jobs_are_accepted(self, timeout: float = 120.0) -> None:
+        """`ray start` returns before the head's job agent registers; the Jobs API then answers
+        "No available agent to submit job, please try again later" (after 10 s) on a loaded machine.
+        Submit a no-op job until one is accepted."""
+        import subprocess
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            cmd = [f"{VENV_BIN}/ray", "job", "submit", "--address", self.address, "--no-wait", "--", "true"]
+            proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
+            if proc.returncode == 0:
+                return
+            if "No available agent" not in proc.stdout + proc.stderr or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the Jobs API of {self.address} refuses jobs: {(proc.stdout + proc.stderr)[-2000:]}"
+                )
+            time.sleep(2)
 
     def stop(self) -> None:
         """Kill this head's processes only (`ray stop` would stop every Ray on the machine)."""
@@ -150,7 +170,6 @@ def checkpoint_weights(path: str) -> dict:
     out = Path(path).parent / (Path(path).name + ".pt")
     ckpt.export_weights(path, out)
     return torch.load(out, weights_only=True)
-
 
 
 # Modules that time servers going down and coming back (MLflow, a browser): run them with the Ray ones.

@@ -170,6 +170,7 @@ def test_doctor_passes_on_the_cluster_and_names_storage_a_node_cannot_see(local_
     ok = subprocess.run(doctor, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
     assert "storage" in ok.stdout and "all" in ok.stdout and "checks passed" in ok.stdout
+    assert "/api/jobs/ refuses a request without the token (401)" in ok.stdout, ok.stdout
 
     # A node whose view of the storage directory is its own (a tmpfs in a private mount namespace).
     hidden = tmp_path / "node-local"
