@@ -38,7 +38,7 @@ browser:
 	  else echo "setup: no chromium and no root apt-get: the screenshot test will skip"; fi; }
 
 test: setup browser
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_FLAGS) --durations=25 tests
+	$(PY) -m pytest $(PYTEST_FLAGS) --durations=25 tests
 
 test-fast: setup
 	$(PY) -m pytest $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests

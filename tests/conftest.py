@@ -170,25 +170,3 @@ def checkpoint_weights(path: str) -> dict:
     out = Path(path).parent / (Path(path).name + ".pt")
     ckpt.export_weights(path, out)
     return torch.load(out, weights_only=True)
-
-
-# Modules that time servers going down and coming back (MLflow, a browser): run them with the Ray ones.
-TIMED_MODULES = {"test_tracking", "test_ui"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """With `pytest -n 2 --dist loadgroup` (make test): two lanes, each module whole in one of them.
-
-    The "serial" lane runs every module that starts Ray (module-scoped clusters; autoscaling and
-    restarts are timed) or times a server, one after another as without xdist. The other lane runs
-    the rest (unit, gloo, CLI, the quick benchmark's own processes): no shared state, and it keeps
-    the second core busy meanwhile.
-    """
-    serial = {
-        item.module.__name__
-        for item in items
-        if item.get_closest_marker("ray") is not None or item.module.__name__ in TIMED_MODULES
-    }
-    serial.discard("test_bench")  # its own subprocesses start (and stop) their own Rays
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group("serial" if item.module.__name__ in serial else "other"))
