@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"rayjobs: error: {problem}", file=sys.stderr)
         sys.exit(2)
     except TrainingFailed as exc:
+        _end_ray_log_streaming()
         if exc.__cause__ is not None:  # the training's own error, not a user's config mistake: keep its trace
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"rayjobs: training failed: {exc}", file=sys.stderr)
@@ -141,6 +142,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("rayjobs: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def _end_ray_log_streaming() -> None:
+    """Shut Ray down (when this process started or joined it) so that the workers' streamed logs,
+    which arrive late, are all printed before the one-line reason: that line stays the last."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _prepare(args: argparse.Namespace) -> None:
