@@ -470,6 +470,9 @@ class Saver:
         mine: dict[str, tuple[str, int]] = {}
         failed = ""
         try:
+            # Files rank 0 already hashed for the local manifest (this node's) are not read again.
+            local = path / MANIFEST
+            known = json.loads(local.read_text())["files"] if local.is_file() else {}
             for f in sorted(path.iterdir()):
                 if (
                     not f.is_file()
@@ -478,12 +481,12 @@ class Saver:
                     or not _written_by(f.name, self.ctx.rank)
                 ):
                     continue
-                mine[f.name] = (sha256_file(f), f.stat().st_size)
+                mine[f.name] = (known.get(f.name) or sha256_file(f), f.stat().st_size)
                 self.store.upload(f, f"{path.name}/{f.name}")
         except (OSError, StoreError) as exc:
             failed = str(exc)
         if _any_rank(bool(failed), self.ctx):
-            self._fail(step, Path(self.store.url(path.name)), failed or "another rank could not upload its files")
+            self._fail(step, self.store.url(path.name), failed or "another rank could not upload its files")
         parts: list[Any] = [mine]
         if _distributed(self.ctx):
             parts = [None] * self.ctx.world_size
@@ -499,7 +502,7 @@ class Saver:
             except StoreError as exc:
                 failed = str(exc)
         if _any_rank(bool(failed), self.ctx):
-            self._fail(step, Path(self.store.url(path.name)), failed or "rank 0 could not commit it in the bucket")
+            self._fail(step, self.store.url(path.name), failed or "rank 0 could not commit it in the bucket")
         if _distributed(self.ctx):
             dist.broadcast_object_list(kept, src=0)
         if self.ctx.local_rank == 0:
@@ -521,7 +524,7 @@ class Saver:
                 self.store.delete(name)
         return keep
 
-    def _fail(self, step: int, path: Path, reason: str) -> None:
+    def _fail(self, step: int, path: Path | str, reason: str) -> None:
         previous = latest_complete(self.run_dir, warn=False)
         kept = f"the previous checkpoint {previous.path} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointError(f"checkpoint at step {step} not saved to {path}: {reason}; {kept}")

@@ -57,6 +57,22 @@ class RunSection(Section):
             check_uri(v)
         return v
 
+    @model_validator(mode="after")
+    def _local_dir_needs_an_object_store(self) -> RunSection:
+        from rayjobs.object_store import is_uri
+
+        if self.local_dir and not is_uri(self.storage_path):
+            raise _MultiError(
+                [
+                    (
+                        "run.local_dir",
+                        f"is only used with an object store run.storage_path (s3://...); with the path "
+                        f"{self.storage_path!r} everything goes there: remove run.local_dir, got {self.local_dir!r}",
+                    )
+                ]
+            )
+        return self
+
 
 class ModelSection(Section):
     name: str = Field("digits_cnn", description="Registry name, or 'package.module:callable' for your own model.")

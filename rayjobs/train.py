@@ -366,11 +366,10 @@ def run(
         raise TrainingFailed(_first_line(exc)) from exc
     ended = result.return_value or {}
     if ended.get("stopped") == "nan":
-        from rayjobs.checkpoint import latest_complete
+        from rayjobs.checkpoint import latest_complete, list_bucket_checkpoints
 
         if store is not None:
-            names = [n for n in store.checkpoint_names() if not store.problem(n)]
-            good_path = store.url(names[-1]) if names else None
+            good_path = next((c.path for c in reversed(list_bucket_checkpoints(store)) if c.complete), None)
         else:
             good = latest_complete(run_dir, warn=False)
             good_path = good.path if good else None

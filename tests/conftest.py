@@ -95,8 +95,12 @@ class RayHead:
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
         ]
-        subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
-        self.wait_until_jobs_are_accepted()
+        try:
+            subprocess.run(cmd, env=self.env, check=True, capture_output=True, text=True, timeout=120)
+            self.wait_until_jobs_are_accepted()
+        except Exception:
+            self.stop()  # a head that never got ready must not outlive the test (it confuses later Rays)
+            raise
 
     def wait_until_jobs_are_accepted(self, timeout: float = 120.0) -> None:
         """`ray start` returns before the head's job agent registers; the Jobs API then answers

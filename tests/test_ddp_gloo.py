@@ -86,6 +86,16 @@ def test_ddp_two_processes_match_one_process_on_the_global_batch(name: str, tmp_
     assert any(not torch.equal(initial.state_dict()[k], reference[k]) for k in reference)  # it trained
 
 
+def gpt_ddp(ctx: WorkerContext) -> tuple:
+    """gpt/debug under DDP with its optimizer, scheduler and config (seeded): what the checkpoint tests train."""
+    info, optim = CASES["gpt"]
+    cfg = from_dict({"optim": optim})
+    torch.manual_seed(0)
+    model = wrap_data_parallel(build_model("gpt", "debug", {}, info), ctx)
+    opt = loop.build_optimizer(model, cfg)
+    return model, opt, loop.build_scheduler(opt, cfg, 10), cfg
+
+
 def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
     from rayjobs.checkpoint import Saver, TrainState
 
@@ -94,12 +104,7 @@ def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
     )
     try:
         ctx = WorkerContext.from_process_group()
-        info, optim = CASES["gpt"]
-        cfg = from_dict({"optim": optim})
-        torch.manual_seed(0)
-        model = wrap_data_parallel(build_model("gpt", "debug", {}, info), ctx)
-        opt = loop.build_optimizer(model, cfg)
-        sched = loop.build_scheduler(opt, cfg, 10)
+        model, opt, sched, cfg = gpt_ddp(ctx)
         saver = Saver(root, ctx, {}, keep_last=2, async_save=True)
         for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
             per = GLOBAL_BATCH // world

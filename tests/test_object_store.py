@@ -89,11 +89,13 @@ def test_config_takes_object_store_uris_and_refuses_credentials_in_them():
         load_config(None, ["run.storage_path=ftp://host/runs"])
     with pytest.raises(ConfigError, match=r"run.storage_path: .*names no bucket"):
         load_config(None, ["run.storage_path=s3:///runs"])
+    with pytest.raises(ConfigError, match=r"^run.local_dir: is only used with an object store run.storage_path"):
+        load_config(None, ["run.storage_path=results", "run.local_dir=/tmp/x"])
 
 
 def _two_nodes_worker(rank: int, world: int, port: int, root: str, uri: str) -> None:
     """Two ranks as two nodes (each its own local directory, both local rank 0) saving to one bucket."""
-    from test_ddp_gloo import CASES, _data
+    from test_ddp_gloo import CASES, _data, gpt_ddp
 
     from models import build_model
     from rayjobs import loop
@@ -107,12 +109,8 @@ def _two_nodes_worker(rank: int, world: int, port: int, root: str, uri: str) -> 
         ctx = replace(WorkerContext.from_process_group(), local_rank=0)
         local = Path(root, f"node{rank}")
         store = RunStore(uri, "run")
-        info, optim = CASES["gpt"]
-        cfg = from_dict({"optim": optim})
-        torch.manual_seed(0)
-        model = wrap_data_parallel(build_model("gpt", "debug", {}, info), ctx)
-        opt = loop.build_optimizer(model, cfg)
-        sched = loop.build_scheduler(opt, cfg, 10)
+        model, opt, sched, cfg = gpt_ddp(ctx)
+        info = CASES["gpt"][0]
         saver = Saver(str(local), ctx, {}, keep_last=2, async_save=True, store=store)
         for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
             per = x.shape[0] // world
