@@ -623,8 +623,9 @@ def export_weights(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
     if problem:
         raise CheckpointError(f"checkpoint {p} is not usable: {problem}")
     cfg = from_dict(json.loads((p / STATE).read_text())["config"])
-    splits = data_lib.load(cfg.data.name, cfg.data.kwargs)
-    model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, splits.info)
+    model = build_model(
+        cfg.model.name, cfg.model.flavor, cfg.model.kwargs, data_lib.data_info(cfg.data.name, cfg.data.kwargs)
+    )
     sd = {"model": model.state_dict()}
     dcp.load(sd, checkpoint_id=str(p), no_dist=True)
     weights = {k: v.detach().contiguous() for k, v in sd["model"].items()}

@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train one run with Ray Train (TorchTrainer)")
     _add_config_args(train, "YAML config (default: the shipped digits job)", "the run summary")
     train.add_argument("--resume-from", metavar="CHECKPOINT", help="resume from this checkpoint directory")
+    train.add_argument("--list-configs", action="store_true", help="list the shipped configs (usable by name) and exit")
+    sub.add_parser("configs", help="list the shipped configs: --config NAME finds them from any directory")
 
     tune = sub.add_parser("tune", help="hyperparameter search with Ray Tune around the same training run")
     _add_config_args(tune, "YAML config with a tune: section", "the search summary")
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--shards", type=int, default=4, help="Parquet files for the train split")
 
     doctor = sub.add_parser("doctor", help="check the Ray cluster in RAY_ADDRESS before a run (table; 1 if blocked)")
-    _add_config_args(doctor, "the run config whose storage_path and tracking.uri to check", "nothing")
+    _add_config_args(doctor, "the run config whose storage_path and tracking.uri to check", "the checks")
     doctor.add_argument("--working-dir", default=".", help="the directory `ray job submit --working-dir` would upload")
 
     cluster = sub.add_parser(
@@ -104,7 +106,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``rayjobs`` console script."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "train":
+        if args.command == "configs" or (args.command == "train" and args.list_configs):
+            _list_configs()
+        elif args.command == "train":
             _train(args)
         elif args.command == "tune":
             _tune(args)
@@ -170,6 +174,16 @@ def _prepare(args: argparse.Namespace) -> None:
     print(f"train on it: rayjobs train --set data.name=parquet --set data.kwargs.path={out} [--set model.name=...]")
 
 
+def _list_configs() -> None:
+    from rayjobs.config import CONFIG_DIR, shipped_configs
+
+    configs = shipped_configs()
+    width = max(map(len, configs))
+    for name, first_line in configs.items():
+        print(f"{name:<{width}}  {first_line}")
+    print(f"(in {CONFIG_DIR}; use one with --config NAME from any directory)")
+
+
 def _train(args: argparse.Namespace) -> None:
     from rayjobs.config import load_config, to_yaml
 
@@ -182,11 +196,12 @@ def _train(args: argparse.Namespace) -> None:
         return
     from rayjobs import train
 
+    summary_path = _summary_path(args.summary)
     summary = train.run(cfg)
     print(train.format_summary(summary), flush=True)
-    if args.summary:
-        train.write_summary(summary, args.summary)
-        print(f"  summary:    {args.summary}")
+    if summary_path:
+        train.write_summary(summary, summary_path)
+        print(f"  summary:    {summary_path}")
 
 
 def _tune(args: argparse.Namespace) -> None:
@@ -203,21 +218,39 @@ def _tune(args: argparse.Namespace) -> None:
     problems = tune.space_problems(cfg)
     if problems:
         raise ConfigError(problems)
+    summary_path = _summary_path(args.summary)
     summary = tune.run_search(cfg, resume=args.resume)
     print(tune.format_summary(summary, cfg.tune.metric), flush=True)
-    if args.summary:
-        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.summary).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
-        print(f"  summary: {args.summary}")
+    if summary_path:
+        Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_path).write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        print(f"  summary: {summary_path}")
+
+
+def _summary_path(given: str | None) -> str | None:
+    """``--summary PATH`` made absolute before the run starts (under a Ray job: a durable place)."""
+    if not given:
+        return None
+    from rayjobs import paths
+
+    path, note = paths.summary_path(given)
+    if note:
+        print(f"rayjobs: {note}", flush=True)
+    return path
 
 
 def _doctor(args: argparse.Namespace) -> None:
-    from rayjobs import doctor
-    from rayjobs.config import load_config
+    from rayjobs import doctor, paths
+    from rayjobs.config import load_config, to_yaml
     from rayjobs.tracking import tracking_uri
 
     cfg = load_config(args.config, args.overrides)
-    sys.exit(doctor.main(cfg.storage_uri or cfg.storage_path, tracking_uri(cfg), args.working_dir))
+    paths.resolve(cfg)
+    if args.print_config:
+        print(to_yaml(cfg), end="")
+        return
+    summary = _summary_path(args.summary)
+    sys.exit(doctor.main(cfg.storage_uri or cfg.storage_path, tracking_uri(cfg), args.working_dir, summary))
 
 
 def _cluster(args: argparse.Namespace) -> None:
@@ -252,7 +285,8 @@ def _checkpoints(args: argparse.Namespace) -> None:
         run_dir = named if os.path.isdir(named) else args.run
         if not os.path.isdir(run_dir):
             raise ConfigError(
-                f"checkpoints: no run directory {args.run!r} (nor {run_dir}); give a run directory or name"
+                f"checkpoints: {args.run!r} is neither a run directory nor a run under "
+                f"--storage-path {os.path.abspath(args.storage_path)}; give a run directory or a run name"
             )
         infos = list_checkpoints(run_dir)
     if not infos:

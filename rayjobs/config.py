@@ -510,18 +510,56 @@ def _did_you_mean(word: str, options: list[str]) -> str:
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config (default: the shipped digits job), apply ``key=value`` overrides, validate."""
-    raw = read_yaml(path or DEFAULT_CONFIG)
+    raw = read_yaml(find_config(path) if path else DEFAULT_CONFIG)
+    file_model = dict(raw.get("model") or {}) if isinstance(raw.get("model"), dict) else {}
     for item in overrides or []:
         apply_override(raw, item)
+    _drop_other_models_settings(raw, file_model, overrides or [])
     return from_dict(raw)
+
+
+def _drop_other_models_settings(raw: dict[str, Any], file_model: dict[str, Any], overrides: list[str]) -> None:
+    """``--set model.name=X`` picks another model: the file's flavor and kwargs were for the file's model.
+
+    Only what the user gives for X applies (``--set model.flavor=...``, ``--set model.kwargs...``).
+    """
+    model = raw.get("model")
+    if not isinstance(model, dict) or model.get("name") == file_model.get("name", "digits_cnn"):
+        return
+    given = {item.partition("=")[0].strip() for item in overrides}
+    if "model.flavor" not in given and model.get("flavor") == file_model.get("flavor"):
+        model.pop("flavor", None)
+    if not any(k == "model.kwargs" or k.startswith("model.kwargs.") for k in given):
+        model.pop("kwargs", None)
+
+
+def shipped_configs() -> dict[str, str]:
+    """The shipped configs by name (file stem), each with its first comment line."""
+    out = {}
+    for f in sorted(CONFIG_DIR.glob("*.yaml")):
+        first = next((line for line in f.read_text().splitlines() if line.startswith("#")), "#")
+        out[f.stem] = first.lstrip("#").strip()
+    return out
+
+
+def find_config(path: str | os.PathLike[str]) -> Path:
+    """A config file: the path if it exists, else a shipped config by name (``gpt-fsdp`` or ``gpt-fsdp.yaml``)."""
+    p = Path(os.path.expanduser(path))
+    if p.is_file():
+        return p
+    name = p.name if p.suffix in (".yaml", ".yml") else f"{p.name}.yaml"
+    shipped = CONFIG_DIR / name
+    if shipped.is_file() and (len(p.parts) == 1 or p.parent.name == "configs"):
+        return shipped
+    return p
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a config file into a dict; a missing file or bad YAML is a ConfigError."""
     p = Path(path)
     if not p.is_file():
-        shipped = sorted(f.name for f in CONFIG_DIR.glob("*.yaml"))
-        raise ConfigError(f"config: file not found: {path} (shipped configs in {CONFIG_DIR}: {', '.join(shipped)})")
+        shipped = ", ".join(shipped_configs())
+        raise ConfigError(f"--config: no file {path} and no shipped config of that name; shipped: {shipped}")
     try:
         raw = yaml.safe_load(p.read_text())
     except yaml.YAMLError as exc:

@@ -141,13 +141,55 @@ def load(name: str, kwargs: dict[str, Any]) -> Splits:
     return DATASETS[name].load(**kwargs)
 
 
+def example_inputs(name: str, kwargs: dict[str, Any], n: int = 4) -> tuple[DataInfo, torch.Tensor]:
+    """(what the model needs to know, ``n`` model inputs) of the evaluation data, for signatures and examples.
+
+    In-memory datasets give their first test samples; streamed ones read a few rows of the
+    validation files through the same ``map_batches`` the workers use.
+    """
+    if is_streaming(name):
+        from rayjobs import ray_data
+
+        source = DATASETS[name].load(**kwargs)
+        return source.info, ray_data.first_inputs(source, kwargs, n)
+    splits = load(name, kwargs)
+    return splits.info, splits.test[:n][0]
+
+
+def train_rows(name: str, kwargs: dict[str, Any]) -> int:
+    """Samples in the training split (streamed sources count rows from file metadata)."""
+    if is_streaming(name):
+        return DATASETS[name].load(**kwargs).rows["train"]
+    return len(load(name, kwargs).train)  # type: ignore[arg-type]
+
+
 def is_streaming(name: str) -> bool:
     """Whether the named dataset streams through Ray Data (else it is loaded whole in each worker)."""
     return DATASETS[name].streaming
 
 
+class InMemory:
+    """A Ray Data shard read once, on first use, into tensors held by this worker (small splits only)."""
+
+    def __init__(self, shard: Any) -> None:
+        self.shard = shard
+        self._dataset: TensorDataset | None = None
+
+    def dataset(self) -> TensorDataset:
+        """Every row of the shard as a TensorDataset of (x, y); the first call reads it through Ray Data."""
+        if self._dataset is None:
+            xs, ys = [], []
+            for batch in self.shard.iter_torch_batches(batch_size=1024):
+                xs.append(batch["x"])
+                ys.append(batch["y"])
+            self._dataset = TensorDataset(torch.cat(xs), torch.cat(ys))
+        return self._dataset
+
+
 def eval_batches(dataset: Any, rank: int, world_size: int, batch_size: int) -> Any:
     """Batches of an evaluation set for this rank: every sample once across ranks (map-style or Ray Data)."""
+    if isinstance(dataset, InMemory):
+        dataset = dataset.dataset()
     if isinstance(dataset, Dataset):
         return eval_shard(dataset, rank, world_size, batch_size)
     from rayjobs import ray_data
@@ -233,6 +275,12 @@ class TrainingData:
             self.train = ray.train.get_dataset_shard("train")
             self.val = ray.train.get_dataset_shard("val")
             self.test = ray.train.get_dataset_shard("test") if streaming["has_test"] else None
+            if streaming.get("in_memory"):  # small enough: read once per worker, then trained on from memory
+                self.val = InMemory(self.val)
+                self.test = InMemory(self.test) if self.test is not None else None
+                self.cached_train: InMemory | None = InMemory(self.train)
+            else:
+                self.cached_train = None
             # Ray Train splits train equally over the workers; full micro-batches only.
             per_worker = streaming["train_rows"] // streaming["world_size"]
             self.steps_per_epoch = per_worker // micro_batch // accum
@@ -245,16 +293,19 @@ class TrainingData:
     def epoch(self, epoch: int, step_in_epoch: int) -> Any:
         """An iterator of (x, y) micro-batches for ``epoch``, starting at ``step_in_epoch``."""
         skip = step_in_epoch * self.accum
-        if self.streaming:
+        if self.streaming and self.cached_train is None:
             from rayjobs import ray_data
 
             return ray_data.train_batches(self.train, self.micro_batch, self.seed, epoch, skip)
+        if self.streaming and not hasattr(self, "loader"):
+            # This worker's shard, read once through Ray Data, is then shuffled per epoch like in-memory data.
+            self.loader = shard_loader(self.cached_train.dataset(), self.micro_batch, 0, 1, self.seed)
         self.loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
         self.loader.sampler.start_index = skip * self.micro_batch  # type: ignore[attr-defined]
         return iter(self.loader)
 
     def finish_epoch(self, batches: Any) -> None:
         """Read what is left of a streamed epoch, so that every worker's shard ends it together."""
-        if self.streaming:
+        if self.streaming and self.cached_train is None:
             for _ in batches:
                 pass

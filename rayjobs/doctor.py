@@ -285,8 +285,11 @@ def table(checks: list[Check]) -> str:
     return "\n".join(f"{c.name:<{width}}  {c.status:<4}  {c.detail}" for c in checks)
 
 
-def main(storage_path: str, tracking_uri: str, working_dir: str) -> int:
-    """Connect to the cluster in RAY_ADDRESS (else a local one), print the table; 1 when something blocks."""
+def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | None = None) -> int:
+    """Connect to the cluster in RAY_ADDRESS (else a local one), print the table; 1 when something blocks.
+
+    ``summary``: also write the checks as JSON there (``[{name, status, detail}, ...]``).
+    """
     import logging
 
     import ray
@@ -298,6 +301,13 @@ def main(storage_path: str, tracking_uri: str, working_dir: str) -> int:
     finally:
         ray.shutdown()
     print(table(checks))
+    if summary:
+        import dataclasses
+        import json
+
+        os.makedirs(os.path.dirname(os.path.abspath(summary)), exist_ok=True)
+        with open(summary, "w") as f:
+            json.dump({"checks": [dataclasses.asdict(c) for c in checks]}, f, indent=2)
     failed = [c for c in checks if c.status == FAIL]
     if failed:
         print(

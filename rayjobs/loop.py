@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from models import build_model, flops_per_sample
 from rayjobs import checkpoint as ckpt
 from rayjobs import data as data_lib
-from rayjobs import devices, memory, storage, strategies, telemetry
+from rayjobs import devices, memory, paths, storage, strategies, telemetry
 from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import RunConfig, from_dict
 from rayjobs.faults import Faults
@@ -54,6 +54,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     quiet_ray_train_logs()
     resolved = config.pop("_resolved", {})
     cfg = from_dict(config)
+    paths.require_absolute(cfg)  # resolved on the driver: this process's cwd is Ray's, not the user's
     store = RunStore(cfg.storage_uri, cfg.run.name) if cfg.storage_uri else None  # checkpoints in a bucket
     if resolved.get("storage_mark"):
         storage.check_shared(cfg.run_dir, resolved["storage_mark"], store)
@@ -123,7 +124,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     # 4. Loop: accumulate micro-batches, step, evaluate/checkpoint/report at their boundaries.
     train_time, saved_at_step = 0.0, state.step if resumed_from else -1
-    first_step = state.step + 1
+    first_step, loop_started = state.step + 1, time.perf_counter()
     while state.step < stop_at:
         if state.step_in_epoch >= steps_per_epoch:
             state.epoch, state.step_in_epoch = state.epoch + 1, 0
@@ -166,7 +167,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
                 log(
                     f"step {state.step}/{total_steps} epoch {state.epoch + 1} loss {result.loss:.4f} "
                     f"lr {scheduler.get_last_lr()[0]:.2e} {state.samples / max(train_time, 1e-9):.0f} samples/s "
-                    f"MFU {100 * flops * state.samples / max(train_time, 1e-9) / job_peak:.1f}%"
+                    f"MFU {100 * flops * state.samples / max(train_time, 1e-9) / job_peak:.1f}% "
+                    f"{progress_times(time.perf_counter() - loop_started, state.step - first_step + 1, stop_at - state.step)}"
                 )
 
             # 5. Boundaries: eval, checkpoint (also on preemption), report: the same on every rank.
@@ -214,6 +216,22 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             log(f"MLflow unreachable at the end: metrics stay spooled in {mlflow_log.spool}; the driver retries")
     report(state.metrics, final, resolved, store)
     return {"stopped": "done", "step": state.step}
+
+
+def progress_times(elapsed_s: float, steps_done: int, steps_left: int) -> str:
+    """``elapsed 1m05s eta 40s``: this attempt's time so far and the rest at its mean pace (evals included)."""
+    eta = elapsed_s / max(steps_done, 1) * steps_left
+    return f"elapsed {format_duration(elapsed_s)} eta {format_duration(eta)}"
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``1h02m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def quiet_ray_train_logs() -> None:

@@ -334,6 +334,31 @@ class _images_to_xy:
         return {"x": np.ascontiguousarray(x), "y": np.array([self.index[c] for c in batch["label"]], dtype=np.int64)}
 
 
+IN_MEMORY_LIMIT_BYTES = 256 * 2**20  # a worker keeps a streamed split in memory below this estimate
+
+
+def fits_in_memory(source: Source, world_size: int) -> bool:
+    """Whether every split is small enough for each worker to hold (train: its share) after one read.
+
+    The estimate counts x and y as 8-byte values, a ceiling for float32 features and int64 tokens.
+    """
+    per_row = 1
+    for n in source.info.input_shape:
+        per_row *= n
+    row_bytes = 8 * per_row + (8 * per_row if source.info.kind == "tokens" else 8)
+    train = source.rows.get("train", 0) // max(1, world_size)
+    evals = sum(source.rows.get(s, 0) for s in ("val", "test"))
+    return (train + evals) * row_bytes <= IN_MEMORY_LIMIT_BYTES
+
+
+def first_inputs(source: Source, kwargs: dict[str, Any], n: int) -> Any:
+    """The first ``n`` model inputs of the validation split, mapped as the workers map them."""
+    import torch
+
+    batch = _dataset(source, source.paths["val"], kwargs).take_batch(n, batch_format="numpy")
+    return torch.from_numpy(np.array(batch["x"]))  # a copy: the batch is read-only
+
+
 # ---- workers ------------------------------------------------------------------------------------
 
 

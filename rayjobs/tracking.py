@@ -145,7 +145,7 @@ def run_tags(cfg: Any, world_size: int, device: str, nodes: int) -> dict[str, st
         "torch.version": torch.__version__,
         "mlflow.version": mlflow.__version__,
         "world_size": str(world_size),
-        "strategy": "ddp" if world_size > 1 else "single",
+        "strategy": "single" if world_size == 1 and cfg.parallel.strategy == "ddp" else cfg.parallel.strategy,
         "device.type": device,
         "device.name": torch.cuda.get_device_name(0) if device == "gpu" and torch.cuda.is_available() else device,
         "nodes": str(nodes),
@@ -387,11 +387,10 @@ def log_model(cfg: Any, run_id: str, checkpoint: str) -> None:
     from rayjobs.checkpoint import load
     from rayjobs.parallel import WorkerContext
 
-    splits = data_lib.load(cfg.data.name, cfg.data.kwargs)
-    model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, splits.info)
+    info, example = data_lib.example_inputs(cfg.data.name, cfg.data.kwargs)
+    model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, info)
     load(checkpoint, model, None, WorkerContext(0, 1, 0, torch.device("cpu")))
     model.eval()
-    example = splits.test[:4][0]
     with torch.no_grad():
         output = model(example)
     signature = infer_signature(example.numpy(), output.numpy())

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayjobs import storage
+from rayjobs import paths, preflight, storage
 from rayjobs.config import RunConfig
 from rayjobs.errors import ConfigError, TrainingFailed
 
@@ -285,6 +285,11 @@ def run(
     ``final=False`` leaves the MLflow run open and logs no end-of-run artifacts).
     """
     started = time.time()
+    for note in paths.resolve(cfg):
+        print(f"rayjobs: {note}", flush=True)
+    missing = preflight.missing_packages(cfg, ("data.name",))
+    if missing:
+        raise ConfigError(missing)
     check_resume_from(cfg)
     source = check_data(cfg)
     local_mode = cfg.scaling.num_workers == 0
@@ -328,6 +333,7 @@ def run(
             "train_rows": source.rows["train"],
             "has_test": "test" in source.paths,
             "world_size": plan.world_size,
+            "in_memory": ray_data.fits_in_memory(source, plan.world_size),
         }
     if not local_mode:
         from rayjobs.checkpoint import reconcile_ray_snapshot

@@ -218,7 +218,7 @@ def _record_exploit(layout: dict[str, Any], trial_id: str, pointer: dict[str, An
 def _steps_per_epoch(cfg: RunConfig) -> int:
     from rayjobs import data as data_lib
 
-    return max(1, len(data_lib.load(cfg.data.name, cfg.data.kwargs).train) // cfg.training.batch_size)  # type: ignore[arg-type]
+    return max(1, data_lib.train_rows(cfg.data.name, cfg.data.kwargs) // cfg.training.batch_size)
 
 
 def _run_length(cfg: RunConfig) -> int:
@@ -246,7 +246,11 @@ def layout_for(cfg: RunConfig) -> dict[str, Any]:
 
 def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     """Run (or resume) the search and return its summary."""
-    problems = space_problems(cfg)
+    from rayjobs import paths, preflight
+
+    for note in paths.resolve(cfg):
+        print(f"rayjobs: {note}", flush=True)
+    problems = space_problems(cfg) + preflight.missing_packages(cfg)
     if cfg.scaling.num_workers == 0:
         problems.append("scaling.num_workers: a search needs workers (each trial runs a TorchTrainer); use 1 or more")
     if problems:
@@ -259,7 +263,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     from ray import tune
 
     from rayjobs import train
-    from rayjobs.tune_progress import ProgressLine
+    from rayjobs.tune_progress import ProgressTable
 
     started = time.time()
     plan = train.plan_scaling(cfg, train.cluster_gpu_count())
@@ -300,7 +304,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 # A trial whose Train run failed (a controller that died, a lost node) is retried:
                 # it resumes from its own checkpoints, so a retry costs only the lost steps.
                 failure_config=tune.FailureConfig(max_failures=2),
-                callbacks=[ProgressLine(cfg.tune.metric, cfg.tune.mode)],
+                callbacks=[ProgressTable(cfg.tune.metric, cfg.tune.mode, list(cfg.tune.space))],
             ),
         )
     results = tuner.fit()

@@ -52,7 +52,7 @@ def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--config", "no/such.yaml"], "config: file not found: no/such.yaml"),
+        (["--config", "no/such.yaml"], "--config: no file no/such.yaml and no shipped config"),
         (["--set", "model.name=resnet"], "model.name: unknown model 'resnet'"),
         (["--set", "data.name=imagenet"], "data.name: unknown dataset 'imagenet'"),
         (

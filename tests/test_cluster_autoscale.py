@@ -167,9 +167,14 @@ def test_a_submitted_job_brings_up_nodes_survives_losing_one_and_they_go_when_id
 def test_doctor_passes_on_the_cluster_and_names_storage_a_node_cannot_see(local_cluster, tmp_path):
     env = subprocess_env(**local_cluster.env())
     doctor = [sys.executable, "-m", "rayjobs", "doctor", "--set", f"run.storage_path={tmp_path}"]
-    ok = subprocess.run(doctor, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    report = tmp_path / "doctor.json"
+    ok = subprocess.run(
+        [*doctor, "--summary", str(report)], env=env, capture_output=True, text=True, timeout=300, cwd=REPO
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
     assert "storage" in ok.stdout and "all" in ok.stdout and "checks passed" in ok.stdout
+    checks = json.loads(report.read_text())["checks"]
+    assert checks and all(c["status"] != "FAIL" for c in checks) and any(c["name"] == "token auth" for c in checks)
     assert "/api/jobs/ refuses a request without the token (401)" in ok.stdout, ok.stdout
 
     # A node whose view of the storage directory is its own (a tmpfs in a private mount namespace).

@@ -97,7 +97,7 @@ def test_several_problems_are_all_reported():
 
 
 def test_file_errors(tmp_path: Path):
-    assert problems(path=str(tmp_path / "missing.yaml"))[0].startswith("config: file not found:")
+    assert problems(path=str(tmp_path / "missing.yaml"))[0].startswith("--config: no file ")
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lr: [1, 2\n")
     assert "invalid YAML" in problems(path=str(bad))[0] and "line" in problems(path=str(bad))[0]

@@ -12,7 +12,9 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_ray_job_submit_runs_the_training_driver(ray_head, tmp_path):
-    summary = tmp_path / "summary.json"
+    """No storage path given (the default, relative `results`): the job runs in Ray's copy of the
+    working dir, which Ray deletes, so the results go to ~/ray_results/results and the console says so."""
+    home = tmp_path / "home"  # the job driver's ~ (through the job's runtime env)
     cmd = [
         f"{VENV_BIN}/ray",
         "job",
@@ -20,7 +22,9 @@ def test_ray_job_submit_runs_the_training_driver(ray_head, tmp_path):
         "--address",
         ray_head.address,
         "--working-dir",
-        ".",
+        str(REPO),
+        "--runtime-env-json",
+        json.dumps({"env_vars": {"HOME": str(home)}}),
         "--",
         "python",
         "-m",
@@ -29,18 +33,21 @@ def test_ray_job_submit_runs_the_training_driver(ray_head, tmp_path):
         "training.epochs=2",
         "--set",
         "run.name=submitted",
-        "--set",
-        f"run.storage_path={tmp_path}",
         "--summary",
-        str(summary),
+        "results/summary.json",
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=ray_head.env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ray_head.env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "succeeded" in out
     assert "[rayjobs] digits_cnn/default" in out  # the workers' output streamed back to the submitter
     assert "rayjobs: run submitted finished" in out
+    results = home / "ray_results" / "results"
+    assert f"it goes to {results} on this node" in out
+    summary = results / "summary.json"
     saved = json.loads(summary.read_text())
+    assert saved["storage_path"] == str(results / "submitted")
+    assert (results / "submitted" / "metrics.jsonl").exists() and saved["checkpoint"].startswith(str(results))
     assert saved["num_workers"] == 2 and saved["metrics"]["step"] == 2 * (1257 // 64)
     assert saved["metrics"]["test/accuracy"] > 0.8
 

@@ -1,0 +1,182 @@
+"""The user's path without Ray: paths resolved once on the driver, shipped configs by name, a user's
+model with one --set, optional packages checked before Ray, progress a person can read, and the
+README's config table naming every field."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+from test_cli import run_cli
+
+from rayjobs import paths, preflight
+from rayjobs.config import CONFIG_DIR, describe_fields, load_config, shipped_configs
+from rayjobs.errors import ConfigError
+
+
+@pytest.fixture
+def elsewhere(tmp_path, monkeypatch):
+    """The working directory is a fresh one outside the repo."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_every_path_is_made_absolute_against_the_drivers_directory(elsewhere):
+    cfg = load_config(
+        None,
+        [
+            "model.name=gpt",
+            "model.flavor=debug",
+            "data.name=text",
+            "data.kwargs={path: data/d, val_path: ~/held, seq_len: 3}",
+            "checkpoint.resume_from=results/x/ckpt",
+            "tracking.uri=sqlite:///m.db",
+        ],
+    )
+    assert paths.relative_paths(cfg)  # as loaded: relative, as the user wrote them
+    notes = paths.resolve(cfg)
+    assert notes == []
+    assert cfg.run.storage_path == str(elsewhere / "results")
+    assert cfg.run_dir == str(elsewhere / "results" / "digits-ddp")
+    assert cfg.data.kwargs == {
+        "path": str(elsewhere / "data/d"),
+        "val_path": os.path.expanduser("~/held"),
+        "seq_len": 3,
+    }
+    assert cfg.checkpoint.resume_from == str(elsewhere / "results/x/ckpt")
+    assert cfg.tracking.uri == f"sqlite:///{elsewhere / 'm.db'}"
+    assert paths.relative_paths(cfg) == []
+    assert paths.resolve(cfg) == [] and cfg.run.storage_path == str(elsewhere / "results")  # idempotent
+
+
+def test_a_worker_refuses_a_relative_path():
+    cfg = load_config(None, [])
+    with pytest.raises(paths.RelativePath, match=r"run.storage_path='results'"):
+        paths.require_absolute(cfg)
+
+
+def test_under_a_ray_job_a_relative_storage_path_goes_to_ray_results(elsewhere, monkeypatch):
+    monkeypatch.setenv("HOME", str(elsewhere / "home"))
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")  # what Ray's job supervisor sets for the entrypoint
+    cfg = load_config(None, ["data.kwargs={}"])
+    notes = paths.resolve(cfg)
+    target = elsewhere / "home" / "ray_results" / "results"
+    assert cfg.run.storage_path == str(target)
+    assert len(notes) == 1 and f"it goes to {target} on this node" in notes[0] and "working-dir copy" in notes[0]
+    assert paths.summary_path("results/s.json")[0] == str(target / "s.json")
+    absolute = load_config(None, [f"run.storage_path={elsewhere / 'abs'}"])
+    assert paths.resolve(absolute) == [] and absolute.run.storage_path == str(elsewhere / "abs")
+
+
+def test_shipped_configs_by_name_from_any_directory(elsewhere):
+    for name in ("gpt-fsdp", "gpt-fsdp.yaml", "rayjobs/configs/gpt-fsdp.yaml"):
+        assert load_config(name).parallel.strategy == "fsdp", name
+    mine = elsewhere / "gpt-fsdp.yaml"  # a file that exists wins over the shipped one
+    mine.write_text("run: {name: mine}\n")
+    assert load_config("gpt-fsdp.yaml").run.name == "mine"
+    with pytest.raises(ConfigError, match="no shipped config of that name; shipped: digits, gpt-fsdp-tp"):
+        load_config("gpt-fsdb")
+    assert set(shipped_configs()) == {p.stem for p in CONFIG_DIR.glob("*.yaml")}
+    assert all(shipped_configs().values())
+
+
+def test_rayjobs_configs_lists_them_with_their_first_line():
+    for args in (("configs",), ("train", "--list-configs")):
+        proc = run_cli(*args)
+        assert proc.returncode == 0, proc.stderr
+        assert re.search(r"^digits\s+The default job", proc.stdout, re.M), proc.stdout
+        assert "RAY_IMPORTED=False" in proc.stdout
+
+
+def test_a_users_model_takes_one_set_and_only_an_explicit_flavor_is_an_error():
+    cfg = load_config(None, ["model.name=user_model:build_tiny"])  # digits.yaml says flavor: default
+    assert (cfg.model.name, cfg.model.flavor, cfg.model.kwargs) == ("user_model:build_tiny", "", {})
+    with pytest.raises(ConfigError, match="model.flavor: flavors apply to registry models only"):
+        load_config(None, ["model.name=user_model:build_tiny", "model.flavor=default"])
+    kept = load_config(None, ["model.name=user_model:build_tiny", "model.kwargs.hidden=4"])
+    assert kept.model.kwargs == {"hidden": 4}
+    from models import get_spec
+
+    other = load_config("gpt-fsdp", ["model.name=mlp", "data.name=digits", "data.kwargs={}"])
+    assert other.model.flavor == get_spec("mlp").default_flavor  # not gpt's 'small' from the file
+
+
+def test_a_missing_optional_package_is_one_line_before_ray(monkeypatch):
+    cfg = load_config(None, ["tune.search=optuna"])
+    assert preflight.missing_packages(cfg) == []  # optuna is a declared dependency
+    monkeypatch.setitem(preflight.OPTIONAL_PACKAGES, ("tune.search", "optuna"), ("no_such_pkg_rj", "no-such-pkg"))
+    assert preflight.missing_packages(cfg) == [
+        "tune.search: optuna needs the package 'no-such-pkg', which is not installed; pip install no-such-pkg"
+    ]
+
+
+def test_progress_shows_elapsed_and_eta():
+    from rayjobs.loop import format_duration, progress_times
+
+    assert [format_duration(s) for s in (4.4, 65, 3725)] == ["4s", "1m05s", "1h02m"]
+    assert progress_times(30.0, 10, 20) == "elapsed 30s eta 1m00s"
+
+
+def test_the_tune_table_has_a_row_per_trial_with_its_parameters():
+    from types import SimpleNamespace
+
+    from rayjobs.tune_progress import format_table
+
+    trials = [
+        SimpleNamespace(trial_id="a_00000", status="RUNNING", config={"optim.lr": 0.00123456}),
+        SimpleNamespace(trial_id="a_00001", status="PENDING", config={"optim.lr": 0.01}),
+    ]
+    last = {"a_00000": {"training_iteration": 3, "val/accuracy": 0.91234}}
+    text = format_table(trials, last, ["optim.lr"], "val/accuracy", (0.91234, "a_00000"))
+    lines = text.splitlines()
+    assert lines[0] == "[tune] 1 pending, 1 running; best val/accuracy 0.9123 (trial a_00000)"
+    assert lines[1].split() == ["trial", "optim.lr", "state", "iter", "val/accuracy"]
+    assert lines[2].split() == ["a_00000", "0.001235", "RUNNING", "3", "0.9123"]
+    assert lines[3].split() == ["a_00001", "0.01", "PENDING", "0", "-"]
+
+
+def test_the_strategy_tag_names_the_strategy():
+    from rayjobs.tracking import run_tags
+
+    assert run_tags(load_config("gpt-fsdp"), 2, "cpu", 1)["strategy"] == "fsdp"
+    assert run_tags(load_config(None), 1, "cpu", 1)["strategy"] == "single"
+
+
+def test_the_readme_config_table_names_every_field():
+    readme = (REPO / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| `")]
+    missing = []
+    for path, _, _ in describe_fields():
+        section, name = path.split(".", 1)
+        name = {"async_save": "async"}.get(name, name)  # the YAML key (alias)
+        path = f"{section}.{name}"
+        wildcard = next((r for r in rows if r.startswith(f"| `{section}.*`")), "")
+        if f"`{path}`" not in readme and f"`{name}`" not in wildcard:
+            missing.append(path)
+    assert not missing, f"README's config table lacks {missing}"
+
+
+def test_checkpoints_of_an_unknown_run_say_where_they_looked(tmp_path):
+    proc = run_cli("checkpoints", "nosuchrun", "--storage-path", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"rayjobs: error: checkpoints: 'nosuchrun' is neither a run directory nor a run under --storage-path "
+        f"{tmp_path}; give a run directory or a run name"
+    )
+
+
+def test_doctor_prints_its_config(tmp_path):
+    proc = run_cli("doctor", "--print-config", "--set", f"run.storage_path={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"storage_path: {tmp_path}" in proc.stdout and "RAY_IMPORTED=False" in proc.stdout
+
+
+def test_the_readme_uses_paths_that_exist():
+    """Files the README names for the user to open are in the repo."""
+    readme = (REPO / "README.md").read_text()
+    for name in ("rayjobs/configs/digits.yaml", "cluster/README.md", "benchmarks/gpu_check.sh"):
+        if name in readme:
+            assert Path(REPO, name).exists(), name
