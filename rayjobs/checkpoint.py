@@ -157,15 +157,30 @@ def verify(path: str | Path) -> str:
         return "no manifest (the save did not finish)"
     try:
         files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as exc:
-        return f"unreadable manifest: {exc}"
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        return f"unreadable manifest: {type(exc).__name__}: {exc}"
+    if not isinstance(files, dict) or not all(isinstance(d, str) for d in files.values()):
+        return "unreadable manifest: 'files' is not a mapping of file name to sha256"
     for name, digest in files.items():
+        if not safe_member(name):
+            return f"manifest names a file outside the checkpoint: {name!r}"
         f = p / name
         if not f.is_file():
             return f"missing file {name}"
         if sha256_file(f) != digest:
             return f"sha256 mismatch in {name}"
     return ""
+
+
+def safe_member(name: Any) -> bool:
+    """Whether a file name from a manifest stays inside its checkpoint directory (a plain file name)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def list_checkpoints(run_dir: str | Path, check: bool = True) -> list[CheckpointInfo]:
@@ -190,9 +205,13 @@ def _add_state(info: CheckpointInfo, raw: bytes | None) -> None:
     """Fill a listing's metrics and world size from a checkpoint's state.json (when readable)."""
     try:
         state = json.loads(raw) if raw else {}
-    except ValueError:
+    except (ValueError, UnicodeDecodeError):
         return
-    info.metrics = state.get("train", {}).get("metrics", {})
+    if not isinstance(state, dict):
+        return
+    train = state.get("train") if isinstance(state.get("train"), dict) else {}
+    metrics = train.get("metrics", {})
+    info.metrics = metrics if isinstance(metrics, dict) else {}
     info.world_size = state.get("world_size")
 
 
@@ -306,8 +325,13 @@ class Saver:
         mode: str = "min",
         async_save: bool = False,
         store: Any = None,
+        protect: str = "",
+        same_buffers: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.protect = os.path.abspath(protect) if protect else ""  # the resume source: never pruned
+        # Every rank holds the whole module (no pipeline stages): its buffers are made rank 0's before a save.
+        self.same_buffers = same_buffers
         self.store = store  # an object_store.RunStore: committed checkpoints are uploaded there too
         self.ctx = ctx
         self.config = config
@@ -348,6 +372,8 @@ class Saver:
         if _any_rank(bool(failed), self.ctx):
             self._fail(step, path, failed or "another rank could not write")
         try:
+            if self.same_buffers:
+                broadcast_buffers(model, self.ctx)
             msd, osd = get_state_dict(model, optimizer, options=FLAT)
             torch.save(rng_state(), path / f"rank_{self.ctx.rank}.pt")
             no_dist = not _distributed(self.ctx)
@@ -436,11 +462,21 @@ class Saver:
             self._committed.set()
 
     def _write_manifest(self, path: Path, train_state: dict[str, Any]) -> None:
+        """Commit: every file on disk (fsync), then the manifest written and renamed, then the directory
+        entries on disk; only after that may pruning delete older checkpoints (a power loss in between
+        leaves the older ones, never an unreadable newest with the rest deleted)."""
         (path / STATE).write_text(json.dumps(train_state, indent=1, sort_keys=True))
-        files = {f.name: sha256_file(f) for f in sorted(path.iterdir()) if f.is_file() and f.name != MANIFEST}
+        files = {}
+        for f in sorted(path.iterdir()):
+            if f.is_file() and f.name not in (MANIFEST, f".{MANIFEST}.tmp"):
+                fsync_path(f)
+                files[f.name] = sha256_file(f)
         tmp = path / f".{MANIFEST}.tmp"
         tmp.write_text(json.dumps({"step": train_state["step"], "files": files}, indent=1, sort_keys=True))
+        fsync_path(tmp)
         os.replace(tmp, path / MANIFEST)  # atomic: the checkpoint is complete from here on
+        fsync_path(path)  # the rename
+        fsync_path(path.parent)  # the checkpoint directory's own entry
 
     def _keep(self, complete: list[tuple[str, dict[str, float]]]) -> set[str]:
         """Which of the complete checkpoints (name, metrics; oldest first) ``keep_last``/``keep_best`` keep."""
@@ -455,7 +491,7 @@ class Saver:
         complete = [c for c in list_checkpoints(self.run_dir, check=False) if (Path(c.path) / MANIFEST).is_file()]
         keep = self._keep([(c.path, c.metrics) for c in complete])
         for c in complete:
-            if c.path not in keep:
+            if c.path not in keep and os.path.abspath(c.path) != self.protect:
                 shutil.rmtree(c.path, ignore_errors=True)
 
     def _publish(self, path: Path, step: int) -> None:
@@ -532,6 +568,39 @@ class Saver:
 
 # ---------------------------------------------------------------------------------------------
 # Loading.
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def broadcast_buffers(model: nn.Module, ctx: WorkerContext) -> None:
+    """Give every rank rank 0's buffers (BatchNorm running statistics).
+
+    Each rank updates its buffers on its own batches; DDP replaces them with rank 0's at the next
+    forward. A save in between would store a mix: DCP writes each replicated tensor once, from
+    whichever rank its planner picks, so a resumed run could start from another rank's statistics.
+    """
+    if not _distributed(ctx):
+        return
+    from torch.distributed.tensor import DTensor
+
+    for buf in model.buffers():
+        if not isinstance(buf, DTensor):
+            dist.broadcast(buf.data, src=0)
+
+
+def saved_config(path: str | Path) -> dict[str, Any]:
+    """The resolved config a checkpoint was written with (its ``state.json``); {} when unreadable."""
+    try:
+        return json.loads((Path(path) / STATE).read_text()).get("config") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
 
 
 def fetch_latest(store: Any, run_dir: str | Path, ctx: WorkerContext) -> str | None:
@@ -612,9 +681,15 @@ def load(
     return state
 
 
-def export_weights(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
-    """Write a checkpoint's model weights as a plain state dict (``.pt``) or safetensors file."""
+def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "") -> dict[str, Any]:
+    """Write a checkpoint's model weights as a plain state dict (``.pt``) or safetensors file.
+
+    The model is rebuilt from the checkpoint's ``state.json``: a registry model, or a
+    ``module:callable`` only when the caller names that same callable in ``trust_model`` (whoever
+    wrote the checkpoint chose what it names; building it runs that code).
+    """
     from models import build_model
+    from models.registry import is_import_path
     from rayjobs import data as data_lib
     from rayjobs.config import from_dict
 
@@ -622,7 +697,14 @@ def export_weights(checkpoint: str | Path, out: str | Path) -> dict[str, Any]:
     problem = verify(p)
     if problem:
         raise CheckpointError(f"checkpoint {p} is not usable: {problem}")
-    cfg = from_dict(json.loads((p / STATE).read_text())["config"])
+    raw = saved_config(p)
+    named = str((raw.get("model") or {}).get("name", ""))
+    if is_import_path(named) and named != trust_model:
+        raise CheckpointError(
+            f"checkpoint {p} names the model {named!r}, a callable that rebuilding it would run; "
+            f"rayjobs runs no code a checkpoint names: if you trust it, pass --trust-model {named}"
+        )
+    cfg = from_dict(raw)
     model = build_model(
         cfg.model.name, cfg.model.flavor, cfg.model.kwargs, data_lib.data_info(cfg.data.name, cfg.data.kwargs)
     )

@@ -9,11 +9,13 @@ before any Ray process starts).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
 
 from rayjobs.errors import ConfigError, TrainingFailed
+from rayjobs.object_store import StoreError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
     export.add_argument(
         "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
+    )
+    export.add_argument(
+        "--trust-model",
+        default="",
+        metavar="MODULE:CALLABLE",
+        help="build a checkpoint whose model is this module:callable (it runs that code); registry models need nothing",
     )
 
     ui = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1 over this project's tracking store")
@@ -105,6 +113,8 @@ def _add_config_args(parser: argparse.ArgumentParser, config_help: str, summary_
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``rayjobs`` console script."""
     args = build_parser().parse_args(argv)
+    if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the user (model.name=my_net:build) imports
+        sys.path.append(os.getcwd())
     try:
         if args.command == "configs" or (args.command == "train" and args.list_configs):
             _list_configs()
@@ -137,6 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         for problem in exc.problems:
             print(f"rayjobs: error: {problem}", file=sys.stderr)
         sys.exit(2)
+    except StoreError as exc:  # an object store the command cannot reach: the user's to fix
+        print(f"rayjobs: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     except TrainingFailed as exc:
         _end_ray_log_streaming()
         if exc.__cause__ is not None:  # the training's own error, not a user's config mistake: keep its trace
@@ -160,6 +173,11 @@ def _prepare(args: argparse.Namespace) -> None:
     from rayjobs import prepare
 
     out = Path(args.out).resolve()
+    if args.shards < 1:
+        raise ConfigError(f"data prepare: --shards must be >= 1, got {args.shards}")
+    if args.source == "text" and args.seq_len < 1:
+        raise ConfigError(f"data prepare: --seq-len must be >= 1, got {args.seq_len}")
+    prepare.check_out(out)
     if args.source == "digits":
         rows = prepare.digits(out, args.shards)
     elif not args.src:
@@ -313,7 +331,7 @@ def _export(args: argparse.Namespace) -> None:
     if not args.out.endswith((".pt", ".pth", ".safetensors")):
         raise ConfigError(f"export: --out must end in .pt, .pth or .safetensors, got {args.out!r}")
     try:
-        info = export_weights(args.checkpoint, args.out)
+        info = export_weights(args.checkpoint, args.out, args.trust_model)
     except CheckpointError as exc:
         raise ConfigError(f"export: {exc}") from None
     print(

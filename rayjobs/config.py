@@ -44,9 +44,7 @@ class RunSection(Section):
     @field_validator("name")
     @classmethod
     def _name_is_a_path_segment(cls, v: str) -> str:
-        if "/" in v or v in (".", ".."):
-            raise ValueError(f"must be a plain name without '/', got {v!r}")
-        return v
+        return plain_name(v)
 
     @field_validator("storage_path")
     @classmethod
@@ -72,6 +70,13 @@ class RunSection(Section):
                 ]
             )
         return self
+
+
+def plain_name(v: str) -> str:
+    """A run or search name is one directory: no '/', not '.' or '..', no control characters."""
+    if "/" in v or "\\" in v or v in (".", "..") or any(ord(c) < 32 for c in v):
+        raise ValueError(f"must be a plain name without '/' (one directory), got {v!r}")
+    return v
 
 
 class ModelSection(Section):
@@ -292,6 +297,13 @@ class TrackingSection(Section):
     def _uri(cls, v: str) -> str:
         if v and not v.startswith(("http://", "https://", "sqlite:///", "file:/", "databricks")):
             raise ValueError(f"must be http(s)://HOST:PORT, sqlite:///ABS/PATH.db or file:/ABS/PATH, got {v!r}")
+        if v.startswith(("http://", "https://")) and "@" in v.split("://", 1)[1].split("/", 1)[0]:
+            scheme, rest = v.split("://", 1)
+            shown = f"{scheme}://***@{rest.split('@', 1)[1]}"
+            raise ValueError(
+                f"must not hold credentials (they would be printed and stored with every run): got {shown}; "
+                "set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
+            )
         return v
 
 
@@ -300,6 +312,12 @@ SPACE_KINDS = ("choice", "grid", "uniform", "loguniform", "randint", "quniform")
 
 class TuneSection(Section):
     name: str = Field("", description="Search (Tune experiment) name; empty: 'tune-<run.name>'.")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_path_segment(cls, v: str) -> str:
+        return plain_name(v)
+
     space: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Dotted config path -> {choice|grid: [...]} or {uniform|loguniform|randint: [lo, hi]} or {quniform: [lo, hi, q]}.",
@@ -687,6 +705,30 @@ def _siblings(loc: list[str]) -> list[str]:
             return []
         model = fields[part].annotation
     return list(getattr(model, "model_fields", {}))
+
+
+SECRET_WORDS = ("password", "token", "secret", "key", "credential")
+
+
+def redact(key: str, value: Any) -> Any:
+    """Hide secrets: values under secret-sounding keys, passwords inside URLs."""
+    if any(word in key.lower().rsplit(".", 1)[-1] for word in SECRET_WORDS) and value not in ("", None):
+        return "***"
+    if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
+        scheme, rest = value.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return value
+
+
+def redacted_dump(cfg: RunConfig) -> dict[str, Any]:
+    """``cfg.model_dump(mode="json")`` with secrets hidden: what is written into checkpoints and artifacts."""
+
+    def walk(d: Any, prefix: str = "") -> Any:
+        if isinstance(d, dict):
+            return {k: walk(v, f"{prefix}{k}.") for k, v in d.items()}
+        return redact(prefix.rstrip("."), d)
+
+    return walk(cfg.model_dump(mode="json"))
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -31,7 +31,8 @@ from rayjobs import checkpoint as ckpt
 from rayjobs import data as data_lib
 from rayjobs import devices, memory, paths, storage, strategies, telemetry
 from rayjobs.checkpoint import Saver, TrainState
-from rayjobs.config import RunConfig, from_dict
+from rayjobs.config import RunConfig, from_dict, redacted_dump
+from rayjobs.errors import ExplainedFailure
 from rayjobs.faults import Faults
 from rayjobs.object_store import RunStore
 from rayjobs.parallel import WorkerContext, all_reduce_sum, current_context
@@ -98,17 +99,21 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
 
     # 3. Resume from the newest complete checkpoint (restart, re-run) or checkpoint.resume_from.
     faults = Faults(cfg.faults, cfg.run_dir, ctx)
-    state, resumed_from = resume(cfg, ctx, model, optimizer, scheduler, scaler, faults, store)
+    state, resumed_from = resume(
+        cfg, ctx, model, optimizer, scheduler, scaler, faults, store, bool(resolved.get("exploit"))
+    )
     saver = Saver(
         cfg.run_dir,
         ctx,
-        cfg.model_dump(mode="json"),
+        redacted_dump(cfg),
         cfg.checkpoint.keep_last,
         cfg.checkpoint.keep_best,
         cfg.checkpoint.metric,
         cfg.checkpoint.mode,
         cfg.checkpoint.async_save,
         store,
+        protect=cfg.checkpoint.resume_from,
+        same_buffers=layout.pp == 1,
     )
     preemption = Preemption(local_mode=bool(resolved.get("local_mode")))
     if ctx.is_main:
@@ -179,9 +184,8 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
             if state.step == stop_at:
                 break  # the final eval, checkpoint and report follow the loop
             do_eval = (state.step % cfg.training.eval_every == 0) if cfg.training.eval_every else end_of_epoch
-            do_save = checkpoint_due(cfg, state.step, state.epoch, end_of_epoch) or preemption.requested(
-                ctx, state.step
-            )
+            preempted = preemption.requested(ctx, state.step)  # the process may end right after: save synchronously
+            do_save = checkpoint_due(cfg, state.step, state.epoch, end_of_epoch) or preempted
             if do_eval:
                 state.metrics = summarize(
                     state, scheduler, result.grad_norm, train_time, ctx, model, splits.val, cfg, pipeline
@@ -190,7 +194,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
                 if mlflow_log is not None:
                     mlflow_log.log(state.metrics, state.step)
             if do_save:
-                path = saver.save(state.step, model, optimizer, scheduler, scaler, state)
+                path = saver.save(state.step, model, optimizer, scheduler, scaler, state, force_sync=preempted)
                 saved_at_step = state.step
             if do_eval or do_save:  # a checkpoint-only report carries no stale eval metrics
                 shown = state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}
@@ -346,9 +350,13 @@ def resume(
     scaler: Any,
     faults: Faults,
     store: RunStore | None = None,
+    exploit: bool = False,
 ) -> tuple[TrainState, tuple[str, int] | None]:
     """Load the checkpoint to resume from, if any; rank 0 chooses (and verifies) it for every rank.
 
+    ``checkpoint.resume_from`` is for the run's first start: once the run has checkpoints of its own
+    (written after resuming from it), every later start resumes from its own newest. A PBT exploit
+    (``exploit``) is the exception: it replaces the trial's state with the donor's on purpose.
     With an object store the newest complete checkpoint in the bucket is downloaded first.
     """
     choice: list[Any] = [None]
@@ -357,25 +365,35 @@ def resume(
         choice = [ckpt.fetch_latest(store, cfg.run_dir, ctx)]
     elif ctx.is_main:
         faults.corrupt_latest(cfg.run_dir)
-        if cfg.checkpoint.resume_from:
-            problem = ckpt.verify(cfg.checkpoint.resume_from)
+        source = cfg.checkpoint.resume_from
+        own = ckpt.latest_complete(cfg.run_dir) if source and not exploit else None
+        if own is not None and os.path.abspath(own.path) != os.path.abspath(source):
+            # A later start of this run (a restart, an elastic resize, the same command again) goes on
+            # from its own newest checkpoint; checkpoints of another lineage are not this run's.
+            lineage = ckpt.saved_config(own.path).get("checkpoint", {}).get("resume_from", "")
             choice = [
-                f"error: --resume-from {cfg.checkpoint.resume_from}: {problem}"
-                if problem
-                else cfg.checkpoint.resume_from
+                own.path
+                if lineage == source
+                else f"error: checkpoint.resume_from: {cfg.run_dir} already holds checkpoints of another run "
+                f"(newest: step {own.step}); give this run a new run.name, or remove that directory"
             ]
+        elif source:
+            problem = ckpt.verify(source)
+            choice = [f"error: --resume-from {source}: {problem}" if problem else source]
         else:
             info = ckpt.latest_complete(cfg.run_dir)
             choice = [info.path if info else None]
             if info is None and ckpt.list_checkpoints(cfg.run_dir, check=False):
                 log(f"no complete checkpoint in {cfg.run_dir}: starting from step 0")
+        if choice[0] and not choice[0].startswith("error: "):
+            choice = [other_model(choice[0], cfg) or choice[0]]
     if ctx.world_size > 1 and dist.is_initialized() and not from_bucket:
         dist.broadcast_object_list(choice, src=0)
     path = choice[0]
     if path is None:
         return TrainState(), None
     if path.startswith("error: "):
-        raise ckpt.CheckpointError(path.removeprefix("error: "))
+        raise ResumeRefused(path.removeprefix("error: "))
     saved = ckpt.load(path, model, optimizer, ctx, scheduler, scaler)
     state = TrainState(**saved["train"])
     apply_new_optim_settings(
@@ -390,6 +408,24 @@ def resume(
                 f"and the data order is the same; dropout RNG streams restart from the seed"
             )
     return state, (path, state.step)
+
+
+class ResumeRefused(ExplainedFailure):
+    """The checkpoint this start would resume from is not this run's (another model or lineage)."""
+
+
+def other_model(path: str, cfg: RunConfig) -> str:
+    """'error: ...' when the checkpoint at ``path`` holds another model than ``cfg``'s, else ''."""
+    saved = ckpt.saved_config(path).get("model") or {}
+    theirs = (saved.get("name"), saved.get("flavor"), saved.get("kwargs") or {})
+    ours = (cfg.model.name, cfg.model.flavor, cfg.model.kwargs)
+    if not saved or theirs == ours:
+        return ""
+    shown = lambda m: f"{m[0]}/{m[1] or '-'}" + (f" {m[2]}" if m[2] else "")  # noqa: E731
+    return (
+        f"error: {path} holds a checkpoint of the model {shown(theirs)}, but this run's model is {shown(ours)}; "
+        f"give this run its own run.name (--set run.name=...), or resume a checkpoint of the same model"
+    )
 
 
 def total_steps_of(scheduler: Any) -> int:

@@ -47,7 +47,7 @@ def server_command(
                 "ui --auth: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (the admin account)"
             )
         ini = store / "basic_auth.ini"
-        ini.write_text(
+        private_file(ini).write_text(
             "[mlflow]\ndefault_permission = READ\n"
             f"database_uri = sqlite:///{store / 'basic_auth.db'}\n"
             f"admin_username = {user}\n"
@@ -61,11 +61,64 @@ def server_command(
         if not secret.exists():
             import secrets
 
-            secret.write_text(secrets.token_hex(32))
-            secret.chmod(0o600)
+            private_file(secret).write_text(secrets.token_hex(32))
+        note = rotate_admin_password(store / "basic_auth.db", user, password)
+        if "rotated" in note:
+            print(f"rayjobs: ui --auth: {note}", flush=True)
         env.setdefault("MLFLOW_FLASK_SERVER_SECRET_KEY", secret.read_text().strip())
         cmd += ["--app-name", "basic-auth"]
     return cmd, env
+
+
+def private_file(path: Path) -> Path:
+    """Create ``path`` readable by its owner only, before anything is written into it."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)  # an older file made with wider bits
+    return path
+
+
+def rotate_admin_password(db: Path, user: str, password: str) -> str:
+    """Make the admin account of an existing auth store use ``password``: what happened, in words.
+
+    MLflow sets the admin password only when it creates the store; a changed
+    MLFLOW_TRACKING_PASSWORD would otherwise be ignored silently.
+    """
+    if not db.exists():
+        return "new store: the server creates the admin account"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # MLflow's server modules warn about their own dependencies on import
+        from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+
+    auth = SqlAlchemyStore()
+    auth.init_db(f"sqlite:///{db}")
+    if not auth.has_user(user):
+        raise ConfigError(
+            f"ui --auth: {db} has no user {user!r} (MLFLOW_TRACKING_USERNAME); use the admin it was made with, "
+            "or remove that file to start a new auth store"
+        )
+    if auth.authenticate_user(user, password):
+        return "admin password unchanged"
+    try:
+        auth.update_user(user, password=password)
+    except Exception as exc:  # noqa: BLE001 - MLflow's password rules
+        raise ConfigError(f"ui --auth: cannot set the admin password: {exc}") from None
+    return "admin password rotated to MLFLOW_TRACKING_PASSWORD"
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something already listens on ``host:port``."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 def wait_until_up(url: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
@@ -110,8 +163,22 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def serve(store_dir: str, port: int, auth: bool) -> None:
-    """``rayjobs ui``: run the server in the foreground until Ctrl-C."""
+    """``rayjobs ui``: run the server in the foreground until Ctrl-C, SIGTERM or SIGHUP (which stop it too)."""
+    import signal
+
+    if port_in_use(port):
+        print(
+            f"rayjobs: error: ui: port {port} on 127.0.0.1 is in use; stop what listens there or give --port",
+            file=sys.stderr,
+        )
+        sys.exit(1)
     proc = start(store_dir, port, auth=auth)
+
+    def _stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGHUP, _stop)
     print(f"MLflow UI: http://127.0.0.1:{port}  (store: {Path(store_dir).resolve()}; Ctrl-C stops it)", flush=True)
     try:
         proc.wait()

@@ -181,7 +181,9 @@ class RunStore:
         manifest = self.manifest(name)
         if manifest is None:
             return "no manifest in the bucket (the upload did not finish)"
-        sizes = manifest.get("sizes", {})
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+            return "the bucket's manifest is not a mapping of files"
+        sizes = manifest.get("sizes", {}) if isinstance(manifest.get("sizes", {}), dict) else {}
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.path(name)))
         except Exception as exc:  # noqa: BLE001
@@ -202,8 +204,16 @@ class RunStore:
         manifest = self.manifest(name)
         if manifest is None:
             return "no manifest in the bucket"
+        from rayjobs.checkpoint import safe_member
+
+        files = manifest.get("files") if isinstance(manifest, dict) else None
+        if not isinstance(files, dict):
+            return "the bucket's manifest has no mapping of files"
+        outside = [f for f in files if not safe_member(f)]
+        if outside:  # a name like ../../x would be written outside the local copy
+            return f"the bucket's manifest names a file outside the checkpoint: {outside[0]!r}"
         local.mkdir(parents=True, exist_ok=True)
-        for file, digest in manifest["files"].items():
+        for file, digest in files.items():
             target = local / file
             if target.is_file() and sha256_file(target) == digest:
                 continue

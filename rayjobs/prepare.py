@@ -16,9 +16,22 @@ from rayjobs.ray_data import META, SPLITS
 FRACTIONS = (0.7, 0.15, 0.15)  # train, val, test of a CSV or text source
 
 
+def check_out(out: Path) -> None:
+    """``--out`` must be new, empty, or a folder this command wrote before (its old shards are replaced)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"data prepare: --out {out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / META).is_file():
+        raise ConfigError(
+            f"data prepare: --out {out} holds files that `rayjobs data prepare` did not write; give a new or empty folder"
+        )
+
+
 def _write(out: Path, tables: dict[str, Any], meta: dict[str, Any], shards: int) -> dict[str, int]:
     import pyarrow.parquet as pq
 
+    check_out(out)
+    for old in out.glob("*/part-*.parquet"):  # an earlier prepare's shards: the next run would read them too
+        old.unlink()
     rows = {}
     for split, table in tables.items():
         folder = out / split
@@ -75,7 +88,13 @@ def csv(src: Path, out: Path, label: str = "label", shards: int = 4) -> dict[str
             tables.append(pcsv.read_csv(f))
         except Exception as exc:  # noqa: BLE001 - a malformed file is the user's to fix
             raise ConfigError(f"data prepare: cannot read {f} as CSV: {str(exc).splitlines()[0]}") from None
-    table = pa.concat_tables(tables, promote_options="default")
+    try:
+        table = pa.concat_tables(tables, promote_options="default")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ConfigError(
+            f"data prepare: the CSV files under {src} do not share one schema ({str(exc).splitlines()[0]}); "
+            "give files with the same columns and types"
+        ) from None
     if label not in table.column_names:
         raise ConfigError(
             f"data prepare: no column {label!r} in {src} (columns: {', '.join(table.column_names)}); use --label"

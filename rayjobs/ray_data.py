@@ -159,6 +159,8 @@ def resolve(fmt: str, kw: dict[str, Any]) -> Source:
     paths = _split_paths(fmt, kw)
     if fmt == "text":
         seq = int(kw["seq_len"])
+        if seq < 1:
+            raise DataError(f"data.kwargs.seq_len: must be >= 1, got {kw['seq_len']}")
         rows = {s: sum(os.path.getsize(f) // (seq + 1) for f in files) for s, files in paths.items()}
         return Source("text", paths, DataInfo("tokens", (seq,), VOCAB), seq_len=seq, rows=rows)
     if fmt == "images":

@@ -10,6 +10,7 @@ through Ray's runtime environment (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -19,17 +20,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rayjobs.config import redact  # one rule for params, tags, artifacts and checkpoints
+
 # Fail fast instead of MLflow's minutes of retries: the spool keeps what could not be sent.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # no calls home from a training job
 
 RUN_KEY_TAG = "rayjobs.run_key"
+RUN_KEY_DIGEST_TAG = "rayjobs.run_key_sha256"
 ATTEMPT_TAG = "rayjobs.attempt"
 LAST_STEP_TAG = "rayjobs.last_logged_step"
-MODEL_URI_TAG = "rayjobs.model_uri"  # MLflow 3 logs models as LoggedModels, linked to the run
+MODEL_URI_TAG = "rayjobs.model_uri"
+MODEL_CHECKPOINT_TAG = "rayjobs.model_checkpoint"  # the checkpoint the logged model was built from  # MLflow 3 logs models as LoggedModels, linked to the run
 CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
-SECRET_WORDS = ("password", "token", "secret", "key", "credential")
 
 
 def _log(message: str) -> None:
@@ -59,16 +63,6 @@ def worker_env(cfg: Any) -> dict[str, str]:
     }
     env.update({k: os.environ[k] for k in CREDENTIAL_ENV if os.environ.get(k)})
     return env
-
-
-def redact(key: str, value: Any) -> Any:
-    """Hide secrets in params and tags: values under secret-sounding keys, passwords inside URLs."""
-    if any(word in key.lower() for word in SECRET_WORDS) and value not in ("", None):
-        return "***"
-    if isinstance(value, str) and "://" in value and "@" in value.split("://", 1)[1].split("/", 1)[0]:
-        scheme, rest = value.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return value
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -105,12 +99,17 @@ def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = Non
             exp_id = exp.experiment_id
     else:
         exp_id = exp.experiment_id
-    found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+    digest = hashlib.sha256(run_key.encode()).hexdigest()[:32]
+    # Searched by a digest (no quote can break the filter, whatever the run's name); runs made before
+    # the digest tag existed are found by their key when it has no quote.
+    found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_DIGEST_TAG}` = '{digest}'", max_results=1)
+    if not found and "'" not in run_key:
+        found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
         c.update_run(run_id, status="RUNNING")
         return run_id
-    all_tags = {RUN_KEY_TAG: run_key, **(tags or {})}
+    all_tags = {RUN_KEY_TAG: run_key, RUN_KEY_DIGEST_TAG: digest, **(tags or {})}
     run = c.create_run(exp_id, run_name=run_name or cfg.tracking.run_name or cfg.run.name, tags=all_tags)
     return run.info.run_id
 
@@ -318,18 +317,17 @@ def log_final(cfg: Any, run_id: str, summary: dict[str, Any], history: list[dict
     chosen = _chosen_checkpoints(cfg, kept, summary.get("checkpoint"))
     for path in chosen:
         c.log_artifacts(run_id, path, f"checkpoints/{Path(path).name}")
-    if summary.get("checkpoint"):
-        log_model(cfg, run_id, summary["checkpoint"])
+    final = summary.get("checkpoint")
+    if final and c.get_run(run_id).data.tags.get(MODEL_CHECKPOINT_TAG) != final:
+        log_model(cfg, run_id, final)
+        c.set_tag(run_id, MODEL_CHECKPOINT_TAG, final)  # a re-run of a finished run logs (and registers) no copy
     c.set_terminated(run_id, "FINISHED")
 
 
 def _redacted_config(cfg: Any) -> dict[str, Any]:
-    def walk(d: Any, prefix: str = "") -> Any:
-        if isinstance(d, dict):
-            return {k: walk(v, f"{prefix}{k}.") for k, v in d.items()}
-        return redact(prefix.rstrip("."), d)
+    from rayjobs.config import redacted_dump
 
-    return walk(cfg.model_dump(mode="json"))
+    return redacted_dump(cfg)
 
 
 def _chosen_checkpoints(cfg: Any, kept: list[Any], final: str | None) -> list[str]:

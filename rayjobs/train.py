@@ -277,12 +277,14 @@ def run(
     mlflow_tags: dict[str, str] | None = None,
     stop_at_step: int | None = None,
     final: bool = True,
+    exploit: bool = False,
 ) -> dict[str, Any]:
     """Train one run with Ray Train and return its summary (see ``write_summary``).
 
     Tune's trial driver adds ``callbacks`` (TuneReportCallback), tags the MLflow child run
     (``mlflow_tags``), and, for population-based training, stops at ``stop_at_step`` (a segment;
-    ``final=False`` leaves the MLflow run open and logs no end-of-run artifacts).
+    ``final=False`` leaves the MLflow run open and logs no end-of-run artifacts; ``exploit``: its
+    ``checkpoint.resume_from`` replaces the trial's own newest checkpoint, a PBT exploit).
     """
     started = time.time()
     for note in paths.resolve(cfg):
@@ -317,6 +319,7 @@ def run(
         "local_mode": local_mode,
         "local_history_path": history_path if local_mode else None,
         "stop_at_step": stop_at_step,
+        "exploit": exploit,
         "memory_estimate_bytes": estimate,
         "storage_mark": None if local_mode else storage.mark(run_dir, store),
         "mlflow": {"run_id": mlflow_run_id, "run_key": run_dir, "spool": os.path.join(run_dir, ".mlflow-spool.jsonl")},

@@ -176,7 +176,7 @@ def _pbt_segments(raw: dict[str, Any], tags: dict[str, str], layout: dict[str, A
         if start_from:
             seg["checkpoint"]["resume_from"] = start_from
         cfg = from_dict(seg)
-        summary = train.run(cfg, mlflow_tags=tags, stop_at_step=step + interval, final=False)
+        summary = train.run(cfg, mlflow_tags=tags, stop_at_step=step + interval, final=False, exploit=bool(start_from))
         step, start_from = int(summary["metrics"]["step"]), None
         with tempfile.TemporaryDirectory() as d:
             Path(d, POINTER).write_text(json.dumps({"path": summary["checkpoint"], "trial_id": trial_id, "step": step}))
@@ -309,10 +309,18 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         )
     results = tuner.fit()
     summary = _summarize(cfg, layout, results, steps, started)
+    errors = [r.error for r in results if r.error is not None]
+    if summary["trials"] and len(errors) == len(summary["trials"]):
+        first = str(errors[0]).strip().splitlines()
+        summary["failed"] = (
+            f"all {len(errors)} trials failed; the first: {first[-1] if first else type(errors[0]).__name__}"
+        )
     if cfg.tracking.enabled and parent:
         _finish_parent(cfg, layout, summary)
     leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") not in ("REMOVED",)]
     summary["placement_groups_left"] = len(leftover)
+    if summary.get("failed"):
+        raise TrainingFailed(f"search {layout['name']}: {summary['failed']}")
     return summary
 
 
@@ -445,20 +453,28 @@ def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int,
                 ),
             }
         )
-    best = results.get_best_result(metric=cfg.tune.metric, mode=cfg.tune.mode, scope="all")
-    best_id = (best.metrics or {}).get("trial_id")
+    try:
+        best = results.get_best_result(metric=cfg.tune.metric, mode=cfg.tune.mode, scope="all")
+    except RuntimeError:  # no trial reported the metric (they all failed before their first eval)
+        best = None
+    best_id = (best.metrics or {}).get("trial_id") if best else None
     best_trial = next((t for t in trials if t["id"] == best_id), None)
     return {
         "name": layout["name"],
         "experiment_dir": layout["experiment_dir"],
-        "best_config": dict(best.config or {}),
-        "best_metrics": {k: v for k, v in (best.metrics or {}).items() if isinstance(v, (int, float)) and "/" in k},
+        "best_config": dict(best.config or {}) if best else {},
+        "best_metrics": {
+            k: v for k, v in ((best.metrics or {}) if best else {}).items() if isinstance(v, (int, float)) and "/" in k
+        },
         "best_trial": best_trial["id"] if best_trial else None,
         "mlflow_parent_run_id": layout["parent_run_id"],
         "trials": trials,
         "total_steps": sum(t["steps"] for t in trials),
         "wall_s": round(time.time() - started, 2),
     }
+
+
+REGISTERED_TAG = "rayjobs.registered"  # name:version@model_uri of the best model this search registered
 
 
 def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, Any]) -> None:
@@ -469,6 +485,14 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
 
     c = tracking.client(tracking.tracking_uri(cfg))
     parent = layout["parent_run_id"]
+    failed = [t for t in summary["trials"] if t["status"] == "error"]
+    if summary["trials"] and len(failed) == len(summary["trials"]):
+        for t in failed:
+            if t["mlflow_run_id"] and c.get_run(t["mlflow_run_id"]).info.status == "RUNNING":
+                c.set_terminated(t["mlflow_run_id"], "FAILED")
+        c.set_tag(parent, "rayjobs.failure", summary["failed"])
+        c.set_terminated(parent, "FAILED")
+        return
     for t in summary["trials"]:
         if not t["mlflow_run_id"]:
             continue
@@ -499,12 +523,17 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
             if best and best["mlflow_run_id"]
             else None
         )
-        if uri:
+        registered = c.get_run(parent).data.tags.get(REGISTERED_TAG)
+        if uri and registered and registered.split("@", 1)[1] == uri:  # tune --resume of a finished search
+            name, version = registered.split("@", 1)[0].rsplit(":", 1)
+            summary["registered_model"] = {"name": name, "version": version}
+        elif uri:
             import mlflow
 
             mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
             version = mlflow.register_model(uri, cfg.tracking.register_as)
             summary["registered_model"] = {"name": version.name, "version": version.version}
+            c.set_tag(parent, REGISTERED_TAG, f"{version.name}:{version.version}@{uri}")
         else:
             why = "no best trial" if not best else f"trial {best['id']} ({best['status']}) logged no model"
             summary["registered_model"] = {"skipped": why}

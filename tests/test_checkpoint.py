@@ -301,3 +301,64 @@ def test_pruned_checkpoints_do_not_stop_a_rerun_with_the_same_name(tmp_path):
     (run_dir / ckpt.RAY_SNAPSHOT).write_text('{"ray_version": "2.60.0", "checkpoint_res')  # cut by a kill
     assert ckpt.reconcile_ray_snapshot(run_dir) == ["*"]
     assert _ray_checkpoint_manager(tmp_path, "run").latest_checkpoint_result is None
+
+
+def test_resume_from_is_for_the_first_start_only(tmp_path, uninterrupted, capfd):
+    """A run started from another run's checkpoint that crashes resumes from its own newest one, not
+    from the source again; the source is never pruned; checkpoints of another lineage are refused."""
+    source = str(Path(uninterrupted["checkpoint"]).parent / ckpt.name_for(100))
+    sets = [f"checkpoint.resume_from={source}", "training.epochs=4", "checkpoint.keep_last=1"]
+    with pytest.raises(TrainingFailed, match="raise_at_step=135"):
+        train.run(cfg_for(tmp_path, "b", *sets, "faults.raise_at_step=135"))
+    capfd.readouterr()
+    summary = train.run(cfg_for(tmp_path, "b", *sets, "faults.raise_at_step=135"))
+    out = capfd.readouterr().out
+    assert f"resumed from {tmp_path / 'b' / ckpt.name_for(130)} at step 130" in out, out[-2000:]
+    assert summary["metrics"]["step"] == 4 * (1257 // 32)
+    assert ckpt.verify(source) == ""  # keep_last=1 in b never touches a's
+
+    # The source inside the run's own directory: resumed from, and kept although keep_last=1.
+    first = train.run(cfg_for(tmp_path, "c", "training.max_steps=20", "checkpoint.keep_last=1"))
+    own = first["checkpoint"]
+    train.run(
+        cfg_for(tmp_path, "c", f"checkpoint.resume_from={own}", "training.max_steps=40", "checkpoint.keep_last=1")
+    )
+    assert ckpt.verify(own) == "" and [c.step for c in ckpt.list_checkpoints(tmp_path / "c")] == [20, 40]
+
+    # A directory holding checkpoints of another lineage: one line, naming the fix.
+    with pytest.raises(
+        TrainingFailed,
+        match=r"already holds checkpoints of another run \(newest: step 40\); give this run a new run.name",
+    ):
+        train.run(cfg_for(tmp_path, "c", f"checkpoint.resume_from={source}"))
+
+
+def test_a_commit_flushes_every_file_before_the_manifest_and_prunes_after(tmp_path, monkeypatch):
+    """The order of a commit, recorded from the real calls: fsync of every file, the manifest's
+    rename, fsync of the directories, and only then the pruning of older checkpoints."""
+    import os
+    import shutil
+
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_rmtree, real_open = os.fsync, os.replace, shutil.rmtree, os.open
+    opened: dict[int, str] = {}
+
+    def spy_open(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        opened[fd] = str(path)
+        return fd
+
+    monkeypatch.setattr(os, "open", spy_open)
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", opened.get(fd, "?"))), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("rename", str(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(shutil, "rmtree", lambda p, **kw: (events.append(("prune", str(p))), real_rmtree(p, **kw))[1])
+    train.run(cfg_for(tmp_path, "order", "training.max_steps=20", "checkpoint.keep_last=1", "tracking.enabled=false"))
+    second = str(tmp_path / "order" / ckpt.name_for(20))
+    mine = [e for e in events if e[1].startswith(second) or e[0] == "prune" or e[1] == str(tmp_path / "order")]
+    names = [(kind, Path(p).name) for kind, p in mine]
+    rename = names.index(("rename", "manifest.json"))
+    files = {Path(p).name for kind, p in mine[:rename] if kind == "fsync"}
+    assert {"state.json", "rank_0.pt", ".metadata", ".manifest.json.tmp"} <= files, names
+    after = names[rename + 1 :]
+    assert after[:2] == [("fsync", ckpt.name_for(20)), ("fsync", "order")], after
+    assert ("prune", ckpt.name_for(10)) in after[2:], after

@@ -205,5 +205,6 @@ def test_readme_command_runs_as_written(cmd: Command, user_dir: Path, user_env: 
         user_env.pop("RAY_ADDRESS", None)  # the shell's export is gone with the cluster
     out = proc.stdout + proc.stderr
     assert proc.returncode == cmd.expect_rc, f"{cmd.text}\nexit {proc.returncode}\n{out[-4000:]}"
-    assert "Traceback" not in out or cmd.expect_rc == 0, out[-3000:]
+    if cmd.expect_rc == 2:  # a user's mistake: one line, never a traceback (a failed training shows its own)
+        assert "Traceback" not in out, out[-3000:]
     _check_figures(cmd, out, user_dir)

@@ -90,3 +90,90 @@ def test_screenshot_refuses_a_run_without_those_metrics(trained, tmp_path):
 
     with pytest.raises(ConfigError, match="no run named 'nope'"):
         take(str(trained), str(tmp_path / "x.png"), run_name="nope")
+
+
+def _ui(storage, port: int, *extra: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "rayjobs", "ui", "--storage-path", str(storage), "--port", str(port), *extra],
+        cwd=REPO,
+        env=subprocess_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _mlflow_processes(port: int) -> list:
+    import psutil
+
+    return [
+        p for p in psutil.process_iter(["cmdline"]) if "--port" in (c := p.info["cmdline"] or []) and str(port) in c
+    ]
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+def test_ui_stops_its_server_on_sigterm_and_sighup(trained, sig):
+    import signal
+
+    port = free_port()
+    proc = _ui(trained, port)
+    assert proc.stdout.readline().startswith("MLflow UI:")
+    assert any("mlflow" in " ".join(p.info["cmdline"]) for p in _mlflow_processes(port))
+    proc.send_signal(getattr(signal, sig))  # to rayjobs ui alone, as a service manager or a closed terminal does
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _mlflow_processes(port) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _mlflow_processes(port), "the MLflow server outlived rayjobs ui"
+
+
+def test_ui_on_a_busy_port_fails_in_one_line(trained):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = _ui(trained, port)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert out.strip().splitlines() == [
+        f"rayjobs: error: ui: port {port} on 127.0.0.1 is in use; stop what listens there or give --port"
+    ]
+
+
+def test_ui_auth_rotates_the_admin_password_and_keeps_its_secrets_private(tmp_path):
+    import base64
+    import os
+    import signal
+    import stat
+    import urllib.error
+
+    def status(port: int, password: str) -> int:
+        token = base64.b64encode(f"admin:{password}".encode()).decode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1",
+            headers={"Authorization": f"Basic {token}"},
+        )
+        try:
+            return urllib.request.urlopen(req, timeout=10).status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    for password in ("first-Passw0rd!", "second-Passw0rd!"):
+        port = free_port()
+        proc = _ui(tmp_path, port, "--auth", MLFLOW_TRACKING_USERNAME="admin", MLFLOW_TRACKING_PASSWORD=password)
+        try:
+            lines = [proc.stdout.readline()]
+            while not lines[-1].startswith("MLflow UI:") and len(lines) < 30:
+                lines.append(proc.stdout.readline())
+            assert lines[-1].startswith("MLflow UI:"), lines
+            rotated = "rayjobs: ui --auth: admin password rotated to MLFLOW_TRACKING_PASSWORD\n" in lines
+            assert rotated == password.startswith("second"), lines
+            assert status(port, password) == 200
+            assert status(port, "first-Passw0rd!" if password.startswith("second") else "wrong") == 401
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    for name in (".flask_secret", "basic_auth.ini"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o600, name
