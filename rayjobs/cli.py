@@ -142,6 +142,8 @@ def main(argv: list[str] | None = None) -> None:
         elif args.command == "ui":
             from rayjobs.mlflow_server import serve
 
+            _check_port("ui --port", args.port)
+            _check_writable_dir("ui --storage-path", args.storage_path)
             serve(args.storage_path, args.port, args.auth)
     except ConfigError as exc:
         for problem in exc.problems:
@@ -254,7 +256,25 @@ def _summary_path(given: str | None) -> str | None:
     path, note = paths.summary_path(given)
     if note:
         print(f"rayjobs: {note}", flush=True)
+    if os.path.isdir(path):
+        raise ConfigError(f"--summary {given}: is a directory; give a file path, e.g. results/summary.json")
+    _check_writable_dir("--summary", os.path.dirname(path))  # before the run, not after it
     return path
+
+
+def _check_port(what: str, port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"{what}: must be a TCP port from 1 to 65535, got {port}")
+
+
+def _check_writable_dir(what: str, folder: str) -> None:
+    """``folder`` exists (made if needed) and this process can write there; else a one-line ConfigError."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot create {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"{what}: {folder} is not writable")
 
 
 def _doctor(args: argparse.Namespace) -> None:
@@ -278,6 +298,8 @@ def _cluster(args: argparse.Namespace) -> None:
         cluster.down()
         print("rayjobs: local cluster stopped")
         return
+    _check_port("cluster up --port", args.port)
+    _check_port("cluster up --dashboard-port", args.dashboard_port)
     started = cluster.up(Path(args.config) if args.config else cluster.LOCAL_YAML, args.port, args.dashboard_port)
     print(f"rayjobs: local autoscaling cluster up: GCS {started.gcs_address}, dashboard {started.dashboard_url}")
     print(f"  token auth on: clients here read the token from {cluster.TOKEN_FILE} (or RAY_AUTH_TOKEN)")

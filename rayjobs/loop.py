@@ -51,7 +51,18 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     """Train one run on this worker. ``config`` is ``RunConfig.model_dump()`` plus ``_resolved``.
 
     Returns (rank 0's value reaches the driver as ``Result.return_value``) how the run ended.
+    A failure stops rank 0's MLflow logger first: in local mode the driver's replay shares its spool.
     """
+    loggers: list[Any] = []
+    try:
+        return _train(config, loggers)
+    except BaseException:
+        for logger in loggers:
+            logger.close(timeout=10)
+        raise
+
+
+def _train(config: dict[str, Any], loggers: list[Any]) -> dict[str, Any]:
     quiet_ray_train_logs()
     resolved = config.pop("_resolved", {})
     cfg = from_dict(config)
@@ -125,6 +136,7 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
         log(f"MFU against {peak / 1e12:.3g} TFLOP/s per worker ({peak_source}); {flops / 1e9:.3g} GFLOP per sample")
 
     mlflow_log = start_metrics_logger(cfg, ctx, resolved)
+    loggers += [mlflow_log] if mlflow_log is not None else []
     tokens_per_sample = splits.info.input_shape[0] if splits.info.kind == "tokens" else 0
 
     # 4. Loop: accumulate micro-batches, step, evaluate/checkpoint/report at their boundaries.

@@ -187,7 +187,9 @@ class MetricsLogger:
         self.last_step: int | None = None  # the run's tag when this attempt connected
         self.key_step: dict[str, int] = {}  # last step sent, per metric key
         self.warned = False
+        self.spool_warned = False
         self.sent_points = 0
+        self.dropped_points = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rayjobs-mlflow", daemon=True)
@@ -200,9 +202,18 @@ class MetricsLogger:
             return
         line = json.dumps({"step": step, "metrics": clean, "t": int(time.time() * 1000)}) + "\n"
         with self._lock:
-            self.spool.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.spool, "a") as f:
-                f.write(line)
+            try:
+                self.spool.parent.mkdir(parents=True, exist_ok=True)
+                with open(self.spool, "a") as f:
+                    f.write(line)
+            except OSError as exc:  # a full or read-only disk: these points are lost, training goes on
+                self.dropped_points += len(clean)
+                if not self.spool_warned:
+                    self.spool_warned = True
+                    _log(
+                        f"warning: cannot write the MLflow spool {self.spool} ({type(exc).__name__}: {exc}); "
+                        "training goes on without these metrics until it can"
+                    )
 
     def close(self, timeout: float = 30.0) -> bool:
         """Send what is spooled; True when everything reached the server (else it stays on disk)."""

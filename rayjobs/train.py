@@ -21,6 +21,7 @@ from typing import Any
 from rayjobs import paths, preflight, storage
 from rayjobs.config import RunConfig
 from rayjobs.errors import ConfigError, TrainingFailed
+from rayjobs.lease import Lease
 
 
 @dataclass(frozen=True)
@@ -286,9 +287,27 @@ def run(
     ``final=False`` leaves the MLflow run open and logs no end-of-run artifacts; ``exploit``: its
     ``checkpoint.resume_from`` replaces the trial's own newest checkpoint, a PBT exploit).
     """
-    started = time.time()
     for note in paths.resolve(cfg):
         print(f"rayjobs: {note}", flush=True)
+    held = Lease(cfg.run_dir).acquire()  # one live driver per run directory
+    try:
+        return _run(
+            cfg, callbacks=callbacks, mlflow_tags=mlflow_tags, stop_at_step=stop_at_step, final=final, exploit=exploit
+        )
+    finally:
+        held.release()
+
+
+def _run(
+    cfg: RunConfig,
+    *,
+    callbacks: list[Any] | None,
+    mlflow_tags: dict[str, str] | None,
+    stop_at_step: int | None,
+    final: bool,
+    exploit: bool,
+) -> dict[str, Any]:
+    started = time.time()
     missing = preflight.missing_packages(cfg, ("data.name",))
     if missing:
         raise ConfigError(missing)

@@ -152,3 +152,31 @@ def test_kuberay_sets_only_environment_variables_the_code_reads():
     assert names
     unread = sorted(n for n in names if n not in source)
     assert not unread, f"set in cluster/kuberay but read nowhere in rayjobs/: {unread}"
+
+
+def test_cluster_files_are_secure_by_default():
+    """MLflow on KubeRay: basic auth with the admin password from a Secret, and a NetworkPolicy that
+    admits only the Ray pods; the cloud clusters start every node with token auth and one shared token."""
+    docs = {d["kind"]: d for d in load(REPO / "cluster" / "kuberay" / "mlflow.yaml")}
+    server = docs["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert server["command"][server["command"].index("--app-name") + 1] == "basic-auth"
+    env = {e["name"]: e for e in server["env"]}
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-auth", "key": "password"}
+    assert "admin_password" not in docs["ConfigMap"]["data"]["basic_auth.ini"]  # no password in the manifests
+    policy = docs["NetworkPolicy"]["spec"]
+    assert policy["podSelector"] == {"matchLabels": {"app": "mlflow"}} and policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchExpressions": [{"key": "ray.io/node-type", "operator": "Exists"}]}}]
+    for _, doc in ray_documents():  # the Ray pods log in with the same Secret, which must exist
+        for container in ray_containers(cluster_spec(doc)):
+            for e in container.get("env", []):
+                if e["name"].startswith("MLFLOW_TRACKING_"):
+                    assert e["valueFrom"]["secretKeyRef"]["name"] == "mlflow-auth"
+                    assert "optional" not in e["valueFrom"]["secretKeyRef"]
+    for name in CLOUD:
+        config = load(REPO / "cluster" / name)[0]
+        starts = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+        ray_starts = [c for c in starts if "ray start" in c]
+        assert len(ray_starts) == 2 and all("RAY_AUTH_MODE=token" in c for c in ray_starts), (name, ray_starts)
+        assert all("RAY_AUTH_TOKEN_PATH=~/rayjobs-auth-token" in c for c in ray_starts)
+        assert config["file_mounts"]["~/rayjobs-auth-token"] == "~/.ray/rayjobs-auth-token"

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 from test_cli import run_cli
 
 from rayjobs import train
@@ -195,3 +196,84 @@ def test_bad_input_to_train_tune_checkpoints(tmp_path):
         "s3://bucket/runs?endpoint_override=127.0.0.1:1&scheme=http",
         needle="s3://bucket/runs",
     )
+
+
+def test_a_spool_that_cannot_be_written_warns_once_and_never_stops_training(tmp_path, capfd):
+    from rayjobs.tracking import MetricsLogger
+
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the run directory should be")
+    cfg = load_config(None, [f"run.storage_path={tmp_path}", "tracking.uri=http://127.0.0.1:9"])
+    logger = MetricsLogger(cfg, "no-run", str(tmp_path / "k"), str(blocker / "spool.jsonl"))
+    for step in range(1, 4):
+        logger.log({"train/loss": 1.0 / step}, step)  # no exception reaches the training loop
+    logger.close(timeout=5)
+    warnings = [line for line in capfd.readouterr().out.splitlines() if "cannot write the MLflow spool" in line]
+    assert len(warnings) == 1 and logger.dropped_points == 3
+
+
+def test_a_failed_local_run_leaves_no_logger_thread_behind(tmp_path):
+    import threading
+
+    from rayjobs.errors import TrainingFailed
+
+    with pytest.raises(TrainingFailed, match="raise_at_step=5"):
+        train.run(load_config(None, [*LOCAL, f"run.storage_path={tmp_path}", "faults.raise_at_step=5"]))
+    assert not [t for t in threading.enumerate() if t.name == "rayjobs-mlflow" and t.is_alive()]
+
+
+def test_a_second_live_driver_of_the_same_run_is_refused(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from conftest import subprocess_env
+
+    from rayjobs.errors import ConfigError
+
+    cfg_args = [*LOCAL, f"run.storage_path={tmp_path}", "run.name=shared", "tracking.enabled=false"]
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from rayjobs.lease import Lease; import time; Lease({str(tmp_path / 'shared')!r}).acquire(); "
+            "print('held', flush=True); time.sleep(600)",
+        ],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"another driver \(pid {holder.pid} on .*\) is running this run"):
+            train.run(load_config(None, cfg_args))
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    summary = train.run(load_config(None, cfg_args))  # its driver is gone: the stale lease is taken over
+    assert summary["metrics"]["step"] == 1257 // 64
+    assert not (tmp_path / "shared" / ".lease").exists()  # released at the end
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["ui", "--port", "0"], "ui --port: must be a TCP port from 1 to 65535, got 0"),
+        (["ui", "--port", "99999"], "ui --port: must be a TCP port from 1 to 65535, got 99999"),
+        (["ui", "--storage-path", "/proc/no/such"], "ui --storage-path: cannot create /proc/no/such"),
+        (["train", "--summary", "/proc/no/such/s.json"], "--summary: cannot create /proc/no"),
+        (["cluster", "up", "--dashboard-port", "70000"], "cluster up --dashboard-port: must be a TCP port"),
+        (["cluster", "up", "--config", "/no/such.yaml"], "cluster config: cannot read /no/such.yaml"),
+        (["export", "/no/such", "--out", "w.pt"], "export: no checkpoint directory at /no/such"),
+        (["checkpoints", "/no/such"], "checkpoints: '/no/such' is neither a run directory nor a run"),
+        (["tune", "--set", "tune.space.optim.lr.uniform=[1]"], "tune.space.optim.lr: uniform needs [low, high]"),
+        (["tune", "--set", "tune.name=a/b"], "tune.name: must be a plain name"),
+        (["bench", "nosuch"], "bench: unknown benchmark(s) nosuch"),
+        (["data", "prepare", "csv", "/no/such", "--out", "/tmp/rj-never"], "data prepare: no such file or directory"),
+        (["doctor", "--set", "optim.lr=0"], "optim.lr: must be > 0, got 0"),
+        (["screenshot", "--out", "x.png", "--storage-path", "/no/such"], "screenshot:"),
+    ],
+)
+def test_every_subcommand_refuses_bad_values_in_one_line(args, needle):
+    _bad(*args, needle=needle)

@@ -87,7 +87,7 @@ RUN = [c for c in ALL if RUNS.match(c.text) and c.text not in NOT_RUN]
 _RUN_BLOCKS = {(c.source, c.block) for c in RUN}
 RUN = [c for c in ALL if c in RUN or (c.text.startswith("export ") and (c.source, c.block) in _RUN_BLOCKS)]
 # cluster/README.md repeats README.md's local-cluster block: that sequence runs once.
-RUN = [c for i, c in enumerate(RUN) if c.text not in {d.text for d in RUN[:i]}]
+RUN = [c for i, c in enumerate(RUN) if c.text not in {d.text for d in RUN[:i] if d.source != c.source}]
 
 
 def test_every_command_is_run_or_listed_with_its_reason():
@@ -166,6 +166,12 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         assert "checkpoint_00000117" in out
     if cmd.text.startswith("rayjobs tune") and "--resume" not in cmd.text:
         assert "[tune]" in out and "trial " in out  # the trials table
+    if cmd.text.startswith("rayjobs tune") and "--resume" in cmd.text:  # a finished search: nothing registered twice
+        import mlflow
+
+        mlflow.set_tracking_uri(f"sqlite:///{cwd / 'results' / 'mlflow.db'}")
+        versions = mlflow.MlflowClient().search_model_versions("name = 'digits-best'")
+        assert len(versions) == 1, versions
     if cmd.text.startswith("rayjobs export"):
         assert (cwd / "weights.safetensors").stat().st_size > 0
 
