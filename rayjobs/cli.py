@@ -308,8 +308,6 @@ def _cluster(args: argparse.Namespace) -> None:
 
 
 def _checkpoints(args: argparse.Namespace) -> None:
-    import os
-
     from rayjobs.checkpoint import list_bucket_checkpoints, list_checkpoints
     from rayjobs.object_store import RunStore, check_uri, is_uri
 
@@ -344,8 +342,6 @@ def _checkpoints(args: argparse.Namespace) -> None:
 
 
 def _export(args: argparse.Namespace) -> None:
-    import os
-
     from rayjobs.checkpoint import CheckpointError, export_weights
 
     if not os.path.isdir(args.checkpoint):

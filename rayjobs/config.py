@@ -530,25 +530,35 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     """Read a YAML config (default: the shipped digits job), apply ``key=value`` overrides, validate."""
     raw = read_yaml(find_config(path) if path else DEFAULT_CONFIG)
     file_model = dict(raw.get("model") or {}) if isinstance(raw.get("model"), dict) else {}
+    file_data = dict(raw.get("data") or {}) if isinstance(raw.get("data"), dict) else {}
     for item in overrides or []:
         apply_override(raw, item)
-    _drop_other_models_settings(raw, file_model, overrides or [])
+    _drop_another_jobs_settings(raw, file_model, file_data, overrides or [])
     return from_dict(raw)
 
 
-def _drop_other_models_settings(raw: dict[str, Any], file_model: dict[str, Any], overrides: list[str]) -> None:
-    """``--set model.name=X`` picks another model: the file's flavor and kwargs were for the file's model.
+def _drop_another_jobs_settings(
+    raw: dict[str, Any], file_model: dict[str, Any], file_data: dict[str, Any], overrides: list[str]
+) -> None:
+    """``--set model.name=X`` (or ``data.name=Y``) makes another job than the file's.
 
-    Only what the user gives for X applies (``--set model.flavor=...``, ``--set model.kwargs...``).
+    The file's model flavor and kwargs were for the file's model, and the file's ``run.name`` names
+    the file's job (its checkpoints are of that model and data): only what the user gives for the
+    new job applies, and an unnamed run gets the derived name ``<model>-<data>``.
     """
-    model = raw.get("model")
-    if not isinstance(model, dict) or model.get("name") == file_model.get("name", "digits_cnn"):
-        return
     given = {item.partition("=")[0].strip() for item in overrides}
-    if "model.flavor" not in given and model.get("flavor") == file_model.get("flavor"):
-        model.pop("flavor", None)
-    if not any(k == "model.kwargs" or k.startswith("model.kwargs.") for k in given):
-        model.pop("kwargs", None)
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    other_model = model.get("name", "digits_cnn") != file_model.get("name", "digits_cnn")
+    other_data = data.get("name", "digits") != file_data.get("name", "digits")
+    if other_model:
+        if "model.flavor" not in given and model.get("flavor") == file_model.get("flavor"):
+            model.pop("flavor", None)
+        if not any(k == "model.kwargs" or k.startswith("model.kwargs.") for k in given):
+            model.pop("kwargs", None)
+    run = raw.get("run")
+    if (other_model or other_data) and isinstance(run, dict) and "run.name" not in given:
+        run.pop("name", None)
 
 
 def shipped_configs() -> dict[str, str]:

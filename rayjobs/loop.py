@@ -427,17 +427,19 @@ class ResumeRefused(ExplainedFailure):
 
 
 def other_model(path: str, cfg: RunConfig) -> str:
-    """'error: ...' when the checkpoint at ``path`` holds another model than ``cfg``'s, else ''."""
-    saved = ckpt.saved_config(path).get("model") or {}
-    theirs = (saved.get("name"), saved.get("flavor"), saved.get("kwargs") or {})
+    """'error: ...' when the checkpoint at ``path`` holds another model, or was trained on other data,
+    than ``cfg``'s run; else ''."""
+    saved = ckpt.saved_config(path)
+    model, data = saved.get("model") or {}, saved.get("data") or {}
+    theirs = (model.get("name"), model.get("flavor"), model.get("kwargs") or {})
     ours = (cfg.model.name, cfg.model.flavor, cfg.model.kwargs)
-    if not saved or theirs == ours:
-        return ""
     shown = lambda m: f"{m[0]}/{m[1] or '-'}" + (f" {m[2]}" if m[2] else "")  # noqa: E731
-    return (
-        f"error: {path} holds a checkpoint of the model {shown(theirs)}, but this run's model is {shown(ours)}; "
-        f"give this run its own run.name (--set run.name=...), or resume a checkpoint of the same model"
-    )
+    fix = "give this run its own run.name (--set run.name=...), or resume a checkpoint of the same job"
+    if model and theirs != ours:
+        return f"error: {path} holds a checkpoint of the model {shown(theirs)}, but this run's model is {shown(ours)}; {fix}"
+    if data and data.get("name") != cfg.data.name:
+        return f"error: {path} was trained on data.name={data.get('name')}, this run reads data.name={cfg.data.name}; {fix}"
+    return ""
 
 
 def total_steps_of(scheduler: Any) -> int:

@@ -138,11 +138,21 @@ def wait_until_up(url: str, timeout: float = 60.0, proc: subprocess.Popen | None
 
 
 def start(store_dir: str, port: int, auth: bool = False, log_path: str | None = None) -> subprocess.Popen:
-    """Start the server in the background and wait until it answers."""
+    """Start the server in the background and wait until it answers.
+
+    A server that exits first is a ConfigError naming its own last error line (a weak password, a
+    store it cannot open), read from its log (``log_path``, else ``<store>/server.log``).
+    """
     cmd, env = server_command(store_dir, port, auth=auth)
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    wait_until_up(f"http://127.0.0.1:{port}", proc=proc)
+    log = Path(log_path) if log_path else Path(store_dir).resolve() / "server.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until_up(f"http://127.0.0.1:{port}", proc=proc)
+    except RuntimeError:
+        errors = [line for line in log.read_text(errors="replace").splitlines() if "Exception: " in line or "Error: " in line]
+        reason = errors[-1].split(": ", 1)[-1] if errors else f"exit status {proc.returncode}"
+        raise ConfigError(f"ui: the MLflow server did not start: {reason} (its log: {log})") from None
     return proc
 
 

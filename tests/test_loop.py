@@ -102,7 +102,7 @@ def test_local_mode_trains_digits_and_loss_goes_down(tmp_path):
     assert history[0]["train/loss"] > history[-1]["train/loss"]
     assert summary["checkpoint"].endswith(f"checkpoint_{m['step']:08d}")
     train.write_summary(summary, str(tmp_path / "s.json"))
-    assert json.loads((tmp_path / "s.json").read_text())["run_name"] == "digits-ddp"
+    assert json.loads((tmp_path / "s.json").read_text())["run_name"] == "mlp-digits"  # not the file's digits-ddp
 
 
 def test_max_steps_caps_training_and_bf16_runs_on_cpu(tmp_path):

@@ -131,3 +131,27 @@ def test_pbt_exploit_restores_the_other_trials_checkpoint(ray_cluster, tmp_path)
     assert e["cloned_from"] != e["trial_id"]
     assert f"/{e['cloned_from']}/checkpoint_" in e["checkpoint"]  # the other trial's Train checkpoint
     assert all(t["steps"] == 38 for t in summary["trials"])
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_search_whose_trials_all_fail_ends_its_parent_run_failed(ray_cluster, tmp_path):
+    from rayjobs.errors import TrainingFailed
+    from rayjobs.tracking import client, tracking_uri
+
+    cfg = load_config(
+        TUNE,
+        [
+            f"run.storage_path={tmp_path}",
+            "model.name=user_model:build_broken",  # its forward always raises
+            "tune.space={optim.lr: {grid: [0.001, 0.002]}}",
+            "tune.num_samples=1",
+            "tune.scheduler=fifo",
+            "tracking.register_as=",
+        ],
+    )
+    with pytest.raises(TrainingFailed, match=r"all 2 trials failed; the first: .*boom: this model always fails"):
+        tune.run_search(cfg)
+    c = client(tracking_uri(cfg))
+    (parent,) = c.search_runs([c.get_experiment_by_name("rayjobs").experiment_id], "tags.`rayjobs.kind` = 'tune'")
+    assert parent.info.status == "FAILED" and parent.data.tags["rayjobs.failure"].startswith("all 2 trials failed")

@@ -40,7 +40,7 @@ def test_every_path_is_made_absolute_against_the_drivers_directory(elsewhere):
     notes = paths.resolve(cfg)
     assert notes == []
     assert cfg.run.storage_path == str(elsewhere / "results")
-    assert cfg.run_dir == str(elsewhere / "results" / "digits-ddp")
+    assert cfg.run_dir == str(elsewhere / "results" / "gpt-text")  # another job than the file's: the derived name
     assert cfg.data.kwargs == {
         "path": str(elsewhere / "data/d"),
         "val_path": os.path.expanduser("~/held"),
