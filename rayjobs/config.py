@@ -345,6 +345,9 @@ class TuneSection(Section):
         0.1, gt=0, description="CPUs reserved for each trial's driver (its workers reserve their own)."
     )
     time_budget_s: float = Field(0, ge=0, description="Stop the search after this many seconds; 0 = no limit.")
+    max_failures: int = Field(
+        2, ge=0, description="Retries of a failed trial (each resumes from the trial's own checkpoints)."
+    )
 
     @field_validator("metric")
     @classmethod

@@ -60,7 +60,10 @@ class Lease:
         self._stop.set()
         holder = self._holder()
         if holder is not None and holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
-            self.path.unlink(missing_ok=True)
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError:  # read-only storage now: the lease goes stale with this process, and is taken over
+                pass
 
     def _holder(self) -> dict | None:
         try:

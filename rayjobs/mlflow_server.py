@@ -150,7 +150,9 @@ def start(store_dir: str, port: int, auth: bool = False, log_path: str | None = 
     try:
         wait_until_up(f"http://127.0.0.1:{port}", proc=proc)
     except RuntimeError:
-        errors = [line for line in log.read_text(errors="replace").splitlines() if "Exception: " in line or "Error: " in line]
+        errors = [
+            line for line in log.read_text(errors="replace").splitlines() if "Exception: " in line or "Error: " in line
+        ]
         reason = errors[-1].split(": ", 1)[-1] if errors else f"exit status {proc.returncode}"
         raise ConfigError(f"ui: the MLflow server did not start: {reason} (its log: {log})") from None
     return proc

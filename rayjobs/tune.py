@@ -303,7 +303,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 verbose=0,
                 # A trial whose Train run failed (a controller that died, a lost node) is retried:
                 # it resumes from its own checkpoints, so a retry costs only the lost steps.
-                failure_config=tune.FailureConfig(max_failures=2),
+                failure_config=tune.FailureConfig(max_failures=cfg.tune.max_failures),
                 callbacks=[ProgressTable(cfg.tune.metric, cfg.tune.mode, list(cfg.tune.space))],
             ),
         )

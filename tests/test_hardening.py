@@ -217,9 +217,13 @@ def test_a_failed_local_run_leaves_no_logger_thread_behind(tmp_path):
 
     from rayjobs.errors import TrainingFailed
 
+    def loggers() -> set:
+        return {t for t in threading.enumerate() if t.name == "rayjobs-mlflow" and t.is_alive()}
+
+    before = loggers()  # other tests' loggers in this process are not this test's business
     with pytest.raises(TrainingFailed, match="raise_at_step=5"):
         train.run(load_config(None, [*LOCAL, f"run.storage_path={tmp_path}", "faults.raise_at_step=5"]))
-    assert not [t for t in threading.enumerate() if t.name == "rayjobs-mlflow" and t.is_alive()]
+    assert not loggers() - before
 
 
 def test_a_second_live_driver_of_the_same_run_is_refused(tmp_path):
