@@ -268,10 +268,10 @@ def datasets(source: Source, kwargs: dict[str, Any]) -> dict[str, Any]:
 
     ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.WARNING)  # not a progress report per epoch and eval
-    return {split: _dataset(source, files, kwargs) for split, files in source.paths.items()}
+    return {split: _dataset(source, files, kwargs, split) for split, files in source.paths.items()}
 
 
-def _dataset(source: Source, files: list[str], kwargs: dict[str, Any]) -> Any:
+def _dataset(source: Source, files: list[str], kwargs: dict[str, Any], split: str = "train") -> Any:
     import ray.data
 
     if source.fmt == "parquet":
@@ -284,7 +284,8 @@ def _dataset(source: Source, files: list[str], kwargs: dict[str, Any]) -> Any:
     else:
         from ray.data.datasource.partitioning import Partitioning
 
-        root = os.path.abspath(os.path.expanduser(kwargs["path"]))
+        # Class folders under the split's own root: `path` for train, `val_path` / `test_path` for the others.
+        root = os.path.abspath(os.path.expanduser(kwargs.get(f"{split}_path") or kwargs["path"]))
         h, w = source.info.input_shape[1:]
         ds = ray.data.read_images(
             files,
@@ -357,7 +358,7 @@ def first_inputs(source: Source, kwargs: dict[str, Any], n: int) -> Any:
     """The first ``n`` model inputs of the validation split, mapped as the workers map them."""
     import torch
 
-    batch = _dataset(source, source.paths["val"], kwargs).take_batch(n, batch_format="numpy")
+    batch = _dataset(source, source.paths["val"], kwargs, "val").take_batch(n, batch_format="numpy")
     return torch.from_numpy(np.array(batch["x"]))  # a copy: the batch is read-only
 
 

@@ -75,7 +75,7 @@ def test_a_streamed_run_with_tracking_ends_finished_with_its_model(ray_cluster, 
     info = mlflow.models.get_model_info(run.data.tags[MODEL_URI_TAG])
     inputs = info.signature.inputs.to_dict()[0]
     shape = {"csv": [-1, 4], "images": [-1, 1, 8, 8], "text": [-1, 32]}[sets["data.name"]]
-    assert inputs["tensor-spec"]["shape"] == shape, inputs
+    assert list(inputs["tensor-spec"]["shape"]) == shape, inputs
 
 
 def test_a_search_over_parquet_with_optuna_runs_to_the_end(ray_cluster, tmp_path):
