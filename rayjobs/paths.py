@@ -77,11 +77,7 @@ def _absolute_file_uri(uri: str) -> str:
     for prefix in FILE_URI_PREFIXES:
         if uri.startswith(prefix):
             rest = uri[len(prefix) :]
-            if prefix == "file://" and rest.startswith("/"):
-                return uri
-            if prefix == "sqlite:///" and rest.startswith("/"):
-                return uri
-            return prefix + os.path.abspath(os.path.expanduser(rest))
+            return uri if rest.startswith("/") else prefix + os.path.abspath(os.path.expanduser(rest))
     if uri.startswith("file:") and not uri.startswith("file:/"):
         return "file:" + os.path.abspath(uri[len("file:") :])
     return uri
