@@ -1,8 +1,40 @@
-"""``python -m benchmarks`` is ``rayjobs bench``."""
+"""``python -m benchmarks [NAMES] [--quick] [--json PATH] [--chart PATH]``: what ``rayjobs bench`` runs.
 
-from rayjobs.cli import main
+Benchmarks import rayjobs' public pieces; rayjobs never imports benchmarks (``rayjobs bench``
+starts this module in its own process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from benchmarks import harness
+from rayjobs import log
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the named benchmarks (all by default), print the table, write the JSON and the chart."""
+    parser = argparse.ArgumentParser(prog="rayjobs bench", description="side-by-side benchmarks (ratios, with goals)")
+    parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    parser.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
+    parser.add_argument("--json", metavar="PATH", default="results/bench.json", help="where to write the figures")
+    parser.add_argument("--chart", metavar="PATH", help="PNG chart (default: beside --json)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    known = list(harness.load_all())
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        log.error(f"bench: unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
+        return 2
+    results = harness.run(args.names, args.quick)
+    print(harness.format_table(results))
+    harness.write_json(results, args.json)
+    chart = args.chart or str(Path(args.json).with_suffix(".png"))
+    harness.draw_chart(results, chart)
+    print(f"\nbench: figures in {args.json}, chart in {chart}")
+    return 0
+
 
 if __name__ == "__main__":
-    import sys
-
-    main(["bench", *sys.argv[1:]])
+    sys.exit(main())

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 
 
 def _setup(flavor: str):
     from models import DataInfo, build_model
     from rayjobs.config import from_dict
-    from rayjobs.loop import build_optimizer, build_scheduler, train_step
-    from rayjobs.parallel import WorkerContext
+    from rayjobs.context import WorkerContext
+    from rayjobs.stepping import build_optimizer, build_scheduler, train_step
 
     info = DataInfo("tokens", (64,), 256)
     model = build_model("gpt", flavor, {}, info)

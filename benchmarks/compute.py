@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 
 
 def matmul_flops(n: int, repeats: int) -> float:
@@ -21,8 +21,8 @@ def model_flops(flavor: str, batch: int, seq: int, steps: int) -> tuple[float, f
     """(model FLOPs/s, median step seconds) of rayjobs' train_step on gpt ``flavor``."""
     from models import DataInfo, build_model, flops_per_sample
     from rayjobs.config import from_dict
-    from rayjobs.loop import build_optimizer, train_step
-    from rayjobs.parallel import WorkerContext
+    from rayjobs.context import WorkerContext
+    from rayjobs.stepping import build_optimizer, train_step
 
     info = DataInfo("tokens", (seq,), 256)
     torch.manual_seed(0)

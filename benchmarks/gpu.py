@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 from rayjobs.telemetry import peak_flops
 
 
@@ -18,11 +18,11 @@ def run(quick: bool) -> list[Figure]:
     """One GPU, one NCCL rank, gpt (medium in quick mode, 1b otherwise) under FSDP2 with bf16
     parameters and fp32 gradient reduction, bf16 autocast, AdamW."""
     from models import build_model, flops_per_sample
-    from rayjobs import loop, strategies
+    from rayjobs import parallel, stepping
     from rayjobs.config import from_dict
+    from rayjobs.context import WorkerContext
     from rayjobs.data import data_info
     from rayjobs.memory import estimate
-    from rayjobs.parallel import WorkerContext
 
     flavor, batch, seq, steps = ("medium", 8, 1024, 10) if quick else ("1b", 8, 2048, 10)
     cfg = from_dict(
@@ -41,12 +41,12 @@ def run(quick: bool) -> list[Figure]:
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         info = data_info(cfg.data.name, cfg.data.kwargs)
-        ctx, layout = strategies.place(cfg, WorkerContext(0, 1, 0, device))
+        ctx, layout = parallel.place(cfg, WorkerContext(0, 1, 0, device))
         torch.manual_seed(0)
         model = build_model("gpt", flavor, {}, info).to(device)
         flops = flops_per_sample("gpt", model, info)
-        par = strategies.apply(model, cfg, ctx, layout, loop.loss_fn)
-        opt = loop.build_optimizer(par.model, cfg)
+        par = parallel.apply(model, cfg, ctx, layout, stepping.loss_fn)
+        opt = stepping.build_optimizer(par.model, cfg)
         x = torch.randint(0, info.num_classes, (batch, seq), device=device)
         y = torch.roll(x, -1, 1)
         torch.cuda.reset_peak_memory_stats()
@@ -54,7 +54,7 @@ def run(quick: bool) -> list[Figure]:
         for i in range(steps + 2):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loop.train_step(par.model, [(x, y)], opt, cfg, ctx)
+            stepping.train_step(par.model, [(x, y)], opt, cfg, ctx)
             torch.cuda.synchronize()
             if i >= 2:
                 times.append(time.perf_counter() - t0)

@@ -9,55 +9,13 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-@dataclass
-class Figure:
-    """One measured figure: ``<benchmark>.<name>``, its value, and the goal it is held to."""
-
-    key: str
-    value: float
-    goal: str = ""  # e.g. "<= 1.02", ">= 0.85"; empty: informational
-    unit: str = ""
-    note: str = ""
-    ratio: bool = True  # a unitless ratio (drawn on the chart)
-
-    @property
-    def met(self) -> bool | None:
-        """Whether the value meets the goal (None when there is no goal)."""
-        if not self.goal:
-            return None
-        op, target = self.goal.split()
-        return self.value <= float(target) if op == "<=" else self.value >= float(target)
-
-
-@dataclass
-class Benchmark:
-    """A benchmark: what it runs, what it compares, and the function that measures it."""
-
-    name: str
-    workload: str
-    compares: str
-    run: Callable[[bool], list[Figure]]
-    needs: str = ""  # "cuda" for GPU-only benchmarks
-    figures: list[Figure] = field(default_factory=list)
-
-
-BENCHMARKS: dict[str, Benchmark] = {}
-
-
-def register(bench: Benchmark) -> Benchmark:
-    """Add a benchmark to the harness."""
-    BENCHMARKS[bench.name] = bench
-    return bench
+from benchmarks.base import BENCHMARKS, Benchmark
 
 
 def load_all() -> dict[str, Benchmark]:
@@ -174,12 +132,3 @@ def draw_chart(results: dict[str, Any], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def subprocess_env(threads: int = 1) -> dict[str, str]:
-    """Environment for a launched workload: the repo importable, ``threads`` BLAS threads."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["OMP_NUM_THREADS"] = str(threads)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    return env

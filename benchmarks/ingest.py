@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.harness import REPO, Benchmark, Figure, register, subprocess_env
+from benchmarks.base import REPO, Benchmark, Figure, register, subprocess_env
 
 FEATURES, BATCH = 256, 256
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import REPO, subprocess_env
+from benchmarks.base import REPO, subprocess_env
 
 
 def _free_port() -> int:

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 
 SEQ, VOCAB, BATCH = 64, 256, 16
 MODEL_KWARGS = {"dim": 128, "n_layers": 4, "n_heads": 4}

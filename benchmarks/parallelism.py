@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 
 SEQ, BATCH = 64, 4
 
@@ -47,9 +47,9 @@ def _local_bytes(t: torch.Tensor | None) -> int:
 
 def _worker(rank: int, port: int, strategy: str, flavor: str, out: str) -> None:
     from models import build_model
-    from rayjobs import loop, strategies
+    from rayjobs import parallel, stepping
+    from rayjobs.context import WorkerContext
     from rayjobs.data import data_info
-    from rayjobs.parallel import WorkerContext
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -57,14 +57,14 @@ def _worker(rank: int, port: int, strategy: str, flavor: str, out: str) -> None:
     )
     try:
         cfg = _cfg(strategy, flavor)
-        ctx, layout = strategies.place(cfg, WorkerContext.from_process_group())
+        ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
         torch.manual_seed(0)
         model = build_model("gpt", flavor, {}, data_info(cfg.data.name, cfg.data.kwargs))
-        par = strategies.apply(model, cfg, ctx, layout, loop.loss_fn)
-        opt = loop.build_optimizer(par.model, cfg)
+        par = parallel.apply(model, cfg, ctx, layout, stepping.loss_fn)
+        opt = stepping.build_optimizer(par.model, cfg)
         x = torch.randint(0, 256, (BATCH, SEQ))
         # Gradients are kept (no zero_grad) so that they are counted: set_to_none would free them.
-        loss = loop.loss_fn(par.model(x), torch.roll(x, -1, 1))
+        loss = stepping.loss_fn(par.model(x), torch.roll(x, -1, 1))
         loss.backward()
         opt.step()
         params = sum(_local_bytes(p) for p in par.model.parameters())
@@ -93,7 +93,7 @@ def measure(strategy: str, flavor: str) -> dict[str, int]:
 def run(quick: bool) -> list[Figure]:
     """DDP then FSDP2, 2 ranks each; the ratio of what rank 0 holds, and the estimate's ratio."""
     from rayjobs.memory import estimate
-    from rayjobs.strategies import resolve_layout
+    from rayjobs.parallel import resolve_layout
 
     flavor = "debug" if quick else "small"
     ddp, fsdp = measure("ddp", flavor), measure("fsdp", flavor)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from benchmarks import launch
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 
 
 def run(quick: bool) -> list[Figure]:

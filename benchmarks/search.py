@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import REPO, Benchmark, Figure, register, subprocess_env
+from benchmarks.base import REPO, Benchmark, Figure, register, subprocess_env
 
 TOLERANCE = 0.005  # "within 0.5% of random search's best validation accuracy"
 
@@ -78,14 +78,14 @@ def steps_to_reach(summary: dict[str, Any], target: float, metric: str = "val/ac
 
 def _train_start_to_first_step() -> float:
     """Launch ``rayjobs train`` (a fresh local Ray, one worker) and time it to its first optimizer step."""
-    from rayjobs.train import read_events
+    from rayjobs.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="rj-bench-train-") as d:
         started = time.time()
         sets = [f"run.storage_path={d}", "run.name=start", "tracking.enabled=false", "training.max_steps=5"]
         sets += ["scaling.num_workers=1", "scaling.resources_per_worker={CPU: 0.5}"]
         _cli(["train", *[a for s in sets for a in ("--set", s)]], timeout=600)
-        return read_events(str(Path(d, "start")), "first_step")[0]["time"] - started
+        return RunDir(str(Path(d, "start"))).read_events("first_step")[0]["time"] - started
 
 
 def run(quick: bool) -> list[Figure]:

@@ -6,7 +6,7 @@ import tempfile
 
 import torch
 
-from benchmarks.harness import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, register
 
 SEQ, VOCAB, BATCH = 64, 256, 16
 

@@ -37,15 +37,15 @@ def run_loop(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     """Build the model, wrap it in DDP, run warmup + measured steps; return this rank's timings."""
     from models import DataInfo, build_model
     from rayjobs.config import from_dict
-    from rayjobs.loop import build_optimizer, train_step
-    from rayjobs.parallel import wrap_data_parallel
+    from rayjobs.parallel import wrap_ddp
+    from rayjobs.stepping import build_optimizer, train_step
 
     spec = {**DEFAULT_SPEC, **spec}
     torch.set_num_threads(spec["threads"])
     info = DataInfo("tokens", (spec["seq_len"],), spec["vocab_size"])
     cfg = from_dict({"optim": {"name": "adamw", "lr": 1e-3}})
     torch.manual_seed(0)
-    model = wrap_data_parallel(build_model(spec["model"], spec["flavor"], spec["model_kwargs"], info), ctx)
+    model = wrap_ddp(build_model(spec["model"], spec["flavor"], spec["model_kwargs"], info), ctx)
     opt = build_optimizer(model, cfg)
     g = torch.Generator().manual_seed(ctx.rank)
     batch = spec["per_rank_batch"]
@@ -70,7 +70,7 @@ def run_loop(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
 
 
 def _ray_worker(config: dict[str, Any]) -> dict[str, Any]:
-    from rayjobs.parallel import current_context
+    from rayjobs.context import current_context
 
     return run_loop(config["spec"], current_context(use_gpu=False))
 
@@ -108,7 +108,7 @@ def main() -> None:
     else:
         import torch.distributed as dist
 
-        from rayjobs.parallel import WorkerContext
+        from rayjobs.context import WorkerContext
 
         if "RANK" in os.environ:
             dist.init_process_group("gloo")

@@ -4,7 +4,7 @@ Layout follows torchtitan so that parallelism can be applied from outside: the b
 ``layers`` (a ModuleDict keyed by index: the split points of pipeline stages), parts may be
 absent (None) so that a stage is the model minus the other stages' parts, and attention reads its head count
 from the local projection width, so a column-sharded ``q_proj`` under tensor parallelism works
-unchanged. The TP plan and pipeline split are plain data in the spec (``extra``).
+unchanged. The TP plan and pipeline split are plain data in the spec (``ParallelPlan``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from models.registry import DataInfo, ModelSpec, register
+from models.registry import DataInfo, ModelSpec, ParallelPlan, register
 
 
 class Attention(nn.Module):
@@ -154,11 +154,12 @@ register(
         default_flavor="small",
         description="decoder-only transformer for next-token prediction",
         flops_per_sample=training_flops_per_sample,
-        extra={
-            "tp_plan": TP_PLAN,
-            "layers_attr": "layers",
+        parallel=ParallelPlan(
+            layers_attr="layers",
+            tp_plan=TP_PLAN,
             # Pipeline split: the first stage keeps the embeddings, the last the norm and head.
-            "pipeline": {"first": ["tok_embeddings", "pos_embeddings"], "last": ["norm", "output"]},
-        },
+            pipeline_first=("tok_embeddings", "pos_embeddings"),
+            pipeline_last=("norm", "output"),
+        ),
     )
 )

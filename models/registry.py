@@ -25,6 +25,30 @@ class DataInfo:
 
 
 @dataclass(frozen=True)
+class ParallelPlan:
+    """How a model may be split, as plain data (rayjobs.parallel applies it; the model never sees it).
+
+    ``layers_attr`` names the ``ModuleDict``/``ModuleList`` of repeated blocks (FSDP units,
+    activation checkpointing, compile, pipeline stages); ``tp_plan`` maps module patterns (``*``
+    matches one name) to ``"colwise"`` or ``"rowwise"``; a pipeline keeps ``pipeline_first`` on its
+    first stage and ``pipeline_last`` on its last.
+    """
+
+    layers_attr: str = ""
+    tp_plan: dict[str, str] = field(default_factory=dict)
+    pipeline_first: tuple[str, ...] = ()
+    pipeline_last: tuple[str, ...] = ()
+
+    @property
+    def can_pipeline(self) -> bool:
+        """Whether the model has blocks to split into stages."""
+        return bool(self.layers_attr)
+
+
+NO_PARALLEL_PLAN = ParallelPlan()
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """How to build one registered model, and the flavors (size presets) it comes in."""
 
@@ -35,7 +59,7 @@ class ModelSpec:
     description: str = ""
     default_flavor: str = "default"
     flops_per_sample: Callable[[nn.Module, DataInfo], float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelPlan = NO_PARALLEL_PLAN
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -51,14 +75,17 @@ def register(spec: ModelSpec) -> ModelSpec:
 
 def get_spec(name: str) -> ModelSpec:
     """Return the registered spec called ``name`` (KeyError if unknown)."""
-    _load_builtin()
     return _REGISTRY[name]
 
 
 def model_names() -> list[str]:
     """Names of all registered models, sorted."""
-    _load_builtin()
     return sorted(_REGISTRY)
+
+
+def parallel_plan(name: str) -> ParallelPlan:
+    """The parallel plan of a registry model; a user's ``module:callable`` has none (an empty plan)."""
+    return NO_PARALLEL_PLAN if is_import_path(name) else get_spec(name).parallel
 
 
 def is_import_path(name: str) -> bool:
@@ -116,15 +143,3 @@ def flops_per_sample(name: str, model: nn.Module, info: DataInfo) -> float:
         if spec.flops_per_sample is not None:
             return spec.flops_per_sample(model, info)
     return count_flops_per_sample(model, info)
-
-
-_loaded = False
-
-
-def _load_builtin() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        importlib.import_module("models.digits_cnn")
-        importlib.import_module("models.mlp")
-        importlib.import_module("models.gpt")

@@ -20,7 +20,6 @@ import os
 import random
 import re
 import shutil
-import sys
 import threading
 import time
 import warnings
@@ -36,8 +35,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from rayjobs.object_store import CHECKPOINT_RE, MANIFEST, sha256_file
-from rayjobs.parallel import WorkerContext
+from rayjobs.context import WorkerContext
+from rayjobs.log import log
+from rayjobs.storage.format import CHECKPOINT_RE, MANIFEST, name_for, safe_member, sha256_file
 
 STATE = "state.json"
 # Which rank wrote a file of a checkpoint: DCP names its shards ``__<rank>_<n>.distcp``; the RNG
@@ -80,16 +80,6 @@ class CheckpointInfo:
     problem: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     world_size: int | None = None
-
-
-def name_for(step: int) -> str:
-    """The directory name of the checkpoint taken after ``step`` optimizer steps."""
-    return f"checkpoint_{step:08d}"
-
-
-def _log(message: str) -> None:
-    sys.stdout.write(f"[rayjobs] {message}\n")
-    sys.stdout.flush()
 
 
 def _distributed(ctx: WorkerContext) -> bool:
@@ -172,17 +162,6 @@ def verify(path: str | Path) -> str:
     return ""
 
 
-def safe_member(name: Any) -> bool:
-    """Whether a file name from a manifest stays inside its checkpoint directory (a plain file name)."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name
-    )
-
-
 def list_checkpoints(run_dir: str | Path, check: bool = True) -> list[CheckpointInfo]:
     """Every checkpoint directory of a run, oldest first, with its completeness."""
     root = Path(run_dir)
@@ -216,7 +195,7 @@ def _add_state(info: CheckpointInfo, raw: bytes | None) -> None:
 
 
 def list_bucket_checkpoints(store: Any) -> list[CheckpointInfo]:
-    """Every checkpoint of a run in an object store (``object_store.RunStore``), oldest first."""
+    """Every checkpoint of a run in an object store (``storage.RunStore``), oldest first."""
     out = []
     for name in store.checkpoint_names():
         problem = store.problem(name)
@@ -232,7 +211,7 @@ def latest_complete(run_dir: str | Path, warn: bool = True) -> CheckpointInfo | 
         if info.complete:
             return info
         if warn:
-            _log(f"warning: skipping checkpoint {info.path}: {info.problem}")
+            log(f"warning: skipping checkpoint {info.path}: {info.problem}")
     return None
 
 
@@ -332,7 +311,7 @@ class Saver:
         self.protect = os.path.abspath(protect) if protect else ""  # the resume source: never pruned
         # Every rank holds the whole module (no pipeline stages): its buffers are made rank 0's before a save.
         self.same_buffers = same_buffers
-        self.store = store  # an object_store.RunStore: committed checkpoints are uploaded there too
+        self.store = store  # a storage.RunStore: committed checkpoints are uploaded there too
         self.ctx = ctx
         self.config = config
         self.keep_last, self.keep_best, self.metric, self.mode = keep_last, keep_best, metric, mode
@@ -501,7 +480,7 @@ class Saver:
         commit marker. Then the bucket is pruned like a directory, and one rank per node drops the
         local copies the bucket no longer keeps.
         """
-        from rayjobs.object_store import StoreError
+        from rayjobs.storage.bucket import StoreError
 
         mine: dict[str, tuple[str, int]] = {}
         failed = ""
@@ -619,7 +598,7 @@ def fetch_latest(store: Any, run_dir: str | Path, ctx: WorkerContext) -> str | N
                 problem = store.problem(name)
                 (skipped.append((name, problem)) if problem else names.append(name))
             for name, problem in skipped:
-                _log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
+                log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
             candidates = [names]
         except Exception as exc:  # noqa: BLE001 - StoreError names the URI
             failed = str(exc)
@@ -640,7 +619,7 @@ def fetch_latest(store: Any, run_dir: str | Path, ctx: WorkerContext) -> str | N
         if not _any_rank(bool(problem), ctx):
             return str(local)
         if problem:
-            _log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
+            log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
     return None
 
 

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from rayjobs.errors import ConfigError, TrainingFailed
-from rayjobs.object_store import StoreError
+from rayjobs.storage.bucket import StoreError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -309,7 +309,8 @@ def _cluster(args: argparse.Namespace) -> None:
 
 def _checkpoints(args: argparse.Namespace) -> None:
     from rayjobs.checkpoint import list_bucket_checkpoints, list_checkpoints
-    from rayjobs.object_store import RunStore, check_uri, is_uri
+    from rayjobs.storage.bucket import RunStore
+    from rayjobs.storage.uri import check_uri, is_uri
 
     if is_uri(args.storage_path):  # a run whose checkpoints are in a bucket
         try:
@@ -359,22 +360,23 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    """Hand over to ``python -m benchmarks`` in this process's place (rayjobs never imports benchmarks)."""
     from rayjobs.config import REPO_ROOT
 
     if not (REPO_ROOT / "benchmarks" / "harness.py").exists():
         raise ConfigError("bench: the benchmarks/ folder is not here; run from a clone of the rayjobs repository")
-    from benchmarks import harness
-
-    known = list(harness.load_all())
-    unknown = [n for n in args.names if n not in known]
-    if unknown:
-        raise ConfigError(f"bench: unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
-    results = harness.run(args.names, args.quick)
-    print(harness.format_table(results))
-    harness.write_json(results, args.json)
-    chart = args.chart or str(Path(args.json).with_suffix(".png"))
-    harness.draw_chart(results, chart)
-    print(f"\nbench: figures in {args.json}, chart in {chart}")
+    argv = [
+        *args.names,
+        "--json",
+        args.json,
+        *(["--quick"] if args.quick else []),
+        *(["--chart", args.chart] if args.chart else []),
+    ]
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(p for p in [str(REPO_ROOT), os.environ.get("PYTHONPATH", "")] if p)
+    )
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks", *argv], env)
 
 
 if __name__ == "__main__":

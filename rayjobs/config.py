@@ -49,7 +49,7 @@ class RunSection(Section):
     @field_validator("storage_path")
     @classmethod
     def _a_path_or_an_object_store(cls, v: str) -> str:
-        from rayjobs.object_store import check_uri, is_uri
+        from rayjobs.storage.uri import check_uri, is_uri
 
         if is_uri(v):
             check_uri(v)
@@ -57,7 +57,7 @@ class RunSection(Section):
 
     @model_validator(mode="after")
     def _local_dir_needs_an_object_store(self) -> RunSection:
-        from rayjobs.object_store import is_uri
+        from rayjobs.storage.uri import is_uri
 
         if self.local_dir and not is_uri(self.storage_path):
             raise _MultiError(
@@ -198,7 +198,7 @@ STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp", "fsdp+tp", "pp+dp", "dataparall
 
 
 class ParallelSection(Section):
-    """How the model and the data are split over the workers (see rayjobs/strategies.py).
+    """How the model and the data are split over the workers (see rayjobs/parallel/).
 
     Degrees left at 0 are derived from ``strategy`` and the world size; their product is the world size.
     """
@@ -427,7 +427,7 @@ class RunConfig(Section):
     @property
     def storage_path(self) -> str:
         """The absolute local storage path: run.storage_path, or run.local_dir when that is an object store URI."""
-        from rayjobs.object_store import cache_dir_for, is_uri
+        from rayjobs.storage.uri import cache_dir_for, is_uri
 
         if is_uri(self.run.storage_path):
             return os.path.abspath(os.path.expanduser(self.run.local_dir or cache_dir_for(self.run.storage_path)))
@@ -436,7 +436,7 @@ class RunConfig(Section):
     @property
     def storage_uri(self) -> str:
         """The object store URI of run.storage_path, or '' when it is a filesystem path."""
-        from rayjobs.object_store import is_uri
+        from rayjobs.storage.uri import is_uri
 
         return self.run.storage_path if is_uri(self.run.storage_path) else ""
 

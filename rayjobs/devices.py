@@ -12,8 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rayjobs.context import WorkerContext
 from rayjobs.errors import ExplainedFailure
-from rayjobs.parallel import WorkerContext
+from rayjobs.log import log
 
 GIB = 2**30
 
@@ -81,8 +82,6 @@ def differences(devices: list[dict[str, Any]]) -> list[str]:
 
 def check_alike(ctx: WorkerContext, allow_mixed: bool) -> list[dict[str, Any]]:
     """Gather every worker's device; unlike devices raise (or, when allowed, rank 0 warns)."""
-    from rayjobs.loop import log
-
     devices = gather(ctx)
     unlike = differences(devices)
     if unlike and not allow_mixed:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayjobs.object_store import RunStore, StoreError, is_uri
+from rayjobs.storage.bucket import RunStore, StoreError
+from rayjobs.storage.uri import is_uri
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 PROBE_DIR = ".rayjobs-doctor"
@@ -119,24 +120,29 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard
     """Probe every alive node of the connected cluster and return the table's rows."""
     import ray
 
-    from rayjobs import devices as devs
-
-    checks: list[Check] = []
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     res = [n.get("Resources", {}) for n in nodes]
-    checks.append(
-        Check(
-            "nodes",
-            OK,
-            f"{len(nodes)} alive; CPU {sum(r.get('CPU', 0) for r in res):g}, GPU {sum(r.get('GPU', 0) for r in res):g}",
-        )
-    )
+    cpus, gpus = sum(r.get("CPU", 0) for r in res), sum(r.get("GPU", 0) for r in res)
+    checks = [Check("nodes", OK, f"{len(nodes)} alive; CPU {cpus:g}, GPU {gpus:g}")]
     storage = storage_path if is_uri(storage_path) else os.path.abspath(os.path.expanduser(storage_path))
     nonce = secrets.token_hex(8)
     problem = _write_probe(storage, "driver", nonce)
     if problem:
         checks.append(Check("storage", FAIL, f"run.storage_path {storage}: the driver {problem}"))
         return checks
+    reports = probe_nodes(nodes, storage, nonce, tracking_uri)
+    checks += device_checks(reports)
+    checks.append(version_check(reports))
+    checks.append(storage_check(reports, storage, nonce))
+    checks.append(mlflow_check(reports, tracking_uri))
+    checks.append(working_dir_check(working_dir))
+    checks.append(token_check(dashboard_url))
+    return checks
+
+
+def probe_nodes(nodes: list[dict[str, Any]], storage: str, nonce: str, tracking_uri: str) -> list[dict[str, Any]]:
+    """Run ``probe`` on every node (pinned to it) and return the reports, each with its node type."""
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     remote = ray.remote(num_cpus=0)(probe)
@@ -151,25 +157,32 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard
         report["node_type"] = report["node_type"] or (
             "head" if node.get("Resources", {}).get("node:__internal_head__") else "worker"
         )
+    return reports
+
+
+def device_checks(reports: list[dict[str, Any]]) -> list[Check]:
+    """One row per node type: its nodes' devices are alike."""
+    from rayjobs import devices as devs
 
     by_type: dict[str, list[dict[str, Any]]] = {}
     for r in reports:
         by_type.setdefault(r["node_type"], []).append(r)
+    checks = []
     for node_type, group in sorted(by_type.items()):
         devices = [d for r in group for d in r["devices"]]
         unlike = devs.differences(devices)
         first = devices[0]
-        checks.append(
-            Check(
-                f"devices ({node_type})",
-                FAIL if unlike else OK,
-                unlike[0]
-                if unlike
-                else f"{len(group)} node(s), {len(devices)} x {first['name']} ({first['capability']})",
-            )
+        detail = (
+            unlike[0] if unlike else f"{len(group)} node(s), {len(devices)} x {first['name']} ({first['capability']})"
         )
+        checks.append(Check(f"devices ({node_type})", FAIL if unlike else OK, detail))
+    return checks
 
+
+def version_check(reports: list[dict[str, Any]]) -> Check:
+    """Every node runs the driver's versions of mlflow, ray, torch and rayjobs."""
     import mlflow
+    import ray
     import torch
 
     import rayjobs
@@ -181,12 +194,13 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard
         for k, v in mine.items()
         if r["versions"].get(k) != v
     ]
-    checks.append(
-        Check(
-            "versions", FAIL if differ else OK, differ[0] if differ else " ".join(f"{k} {v}" for k, v in mine.items())
-        )
+    return Check(
+        "versions", FAIL if differ else OK, differ[0] if differ else " ".join(f"{k} {v}" for k, v in mine.items())
     )
 
+
+def storage_check(reports: list[dict[str, Any]], storage: str, nonce: str) -> Check:
+    """Every node reads the driver's probe and writes its own, which the driver reads back."""
     blind = [(r, r["storage"]) for r in reports if r["storage"]]
     if blind:
         r, why = blind[0]
@@ -195,33 +209,23 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard
             if is_uri(storage)
             else "put it on a filesystem every node mounts (NFS, EFS, a ReadWriteMany PVC) at the same path"
         )
-        detail = f"run.storage_path {storage} is not shared: node {r['ip']} {why}; {fix}"
-        checks.append(Check("storage", FAIL, detail))
-    else:
-        back = [r for r in reports if _read_probe(storage, f"node-{r['node_id'][:12]}") != nonce]
-        detail = (
-            f"the driver cannot see what node {back[0]['ip']} wrote under {storage}"
-            if back
-            else f"{storage} written by the driver, read and written by {len(reports)} node(s)"
-        )
-        checks.append(Check("storage", FAIL if back else OK, detail))
+        return Check("storage", FAIL, f"run.storage_path {storage} is not shared: node {r['ip']} {why}; {fix}")
+    back = [r for r in reports if _read_probe(storage, f"node-{r['node_id'][:12]}") != nonce]
+    detail = (
+        f"the driver cannot see what node {back[0]['ip']} wrote under {storage}"
+        if back
+        else f"{storage} written by the driver, read and written by {len(reports)} node(s)"
+    )
+    return Check("storage", FAIL if back else OK, detail)
 
+
+def mlflow_check(reports: list[dict[str, Any]], tracking_uri: str) -> Check:
+    """A tracking server answers from every node (a file store needs no network)."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return Check("mlflow", OK, f"{tracking_uri or 'sqlite under run.storage_path'} (file store)")
     lost = [r for r in reports if r["mlflow"]]
-    if tracking_uri.startswith(("http://", "https://")):
-        checks.append(
-            Check(
-                "mlflow",
-                FAIL if lost else OK,
-                f"from node {lost[0]['ip']}: {lost[0]['mlflow']}"
-                if lost
-                else f"{tracking_uri} answers from every node",
-            )
-        )
-    else:
-        checks.append(Check("mlflow", OK, f"{tracking_uri or 'sqlite under run.storage_path'} (file store)"))
-    checks.append(working_dir_check(working_dir))
-    checks.append(token_check(dashboard_url))
-    return checks
+    detail = f"from node {lost[0]['ip']}: {lost[0]['mlflow']}" if lost else f"{tracking_uri} answers from every node"
+    return Check("mlflow", FAIL if lost else OK, detail)
 
 
 def working_dir_check(working_dir: str) -> Check:

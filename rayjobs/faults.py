@@ -15,7 +15,8 @@ import torch
 
 from rayjobs.checkpoint import latest_complete, write_marker
 from rayjobs.config import FaultsSection
-from rayjobs.parallel import WorkerContext
+from rayjobs.context import WorkerContext
+from rayjobs.log import log
 
 
 class InjectedFault(RuntimeError):
@@ -36,7 +37,7 @@ class Faults:
         """Kill this process hard, or raise, when the run asked for it at ``step``."""
         c, rank = self.cfg, self.ctx.rank
         if c.kill_at_step == step and c.kill_rank == rank and self._once(f"kill_rank{rank}_step{step}"):
-            sys.stdout.write(f"[rayjobs] fault injection: killing rank {rank} (SIGKILL) at step {step}\n")
+            log(f"fault injection: killing rank {rank} (SIGKILL) at step {step}")
             sys.stdout.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         if c.raise_at_step == step and rank == 0 and self._once(f"raise_step{step}"):
@@ -66,6 +67,6 @@ class Faults:
         victim = shards[-1]
         with open(victim, "r+b") as f:
             f.truncate(max(0, victim.stat().st_size // 2))
-        sys.stdout.write(f"[rayjobs] fault injection: truncated {victim}\n")
+        log(f"fault injection: truncated {victim}")
         sys.stdout.flush()
         return newest.path

@@ -7,17 +7,18 @@ by running one sample through the meta model and adding up what autograd saves f
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from models import ParallelPlan, parallel_plan
+from rayjobs import log
 from rayjobs.config import RunConfig
+from rayjobs.context import WorkerContext
 from rayjobs.errors import ExplainedFailure
-from rayjobs.parallel import WorkerContext
-from rayjobs.strategies import Layout, meta_model, microbatches
+from rayjobs.parallel import Layout, blocks_of, meta_model, microbatches
 
 GIB = 2**30
 MIB = 2**20
@@ -62,43 +63,33 @@ class MemoryEstimate:
         )
 
 
-def _stage_of(name: str, layout: Layout, spec: Any, block_names: list[str]) -> int | None:
+def _stage_of(name: str, layout: Layout, plan: ParallelPlan, block_names: list[str]) -> int | None:
     """The pipeline stage that holds parameter ``name`` (None: every stage, e.g. without pipelining)."""
     if layout.pp == 1:
         return None
     parts = name.split(".")
-    layers = spec.extra.get("layers_attr", "layers")
-    if parts[0] == layers:
-        per, extra = divmod(len(block_names), layout.pp)
+    if parts[0] == plan.layers_attr:
         index = block_names.index(parts[1])
-        bounds = [s * per + min(s, extra) for s in range(layout.pp + 1)]
+        bounds = layout.stage_bounds(len(block_names))
         return max(s for s in range(layout.pp) if bounds[s] <= index)
-    if parts[0] in spec.extra["pipeline"]["first"]:
+    if parts[0] in plan.pipeline_first:
         return 0
     return layout.pp - 1
 
 
 def estimate(cfg: RunConfig, layout: Layout, use_gpu: bool) -> MemoryEstimate:
     """What one rank will hold at its peak for this config and layout."""
-    from models.registry import get_spec, is_import_path
-
     model = meta_model(cfg)
-    spec = None if is_import_path(cfg.model.name) else get_spec(cfg.model.name)
-    tp_plan = spec.extra.get("tp_plan", {}) if spec is not None and layout.tp > 1 else {}
-    blocks = getattr(model, spec.extra.get("layers_attr", ""), None) if spec is not None else None
+    plan = parallel_plan(cfg.model.name)
+    blocks = blocks_of(model, plan)
     block_names = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else []
-    tp_sharded = {
-        f"{m}.weight"
-        for m, _ in model.named_modules()
-        for pattern in tp_plan
-        if fnmatch.fnmatchcase(m, pattern) and m.count(".") == pattern.count(".")
-    }
+    tp_sharded = {f"{m}.weight" for m in layout.tp_sharded(model, plan.tp_plan)}
     per_stage = [0.0] * layout.pp
     for name, p in model.named_parameters():
         elements = p.numel() / (layout.tp if name in tp_sharded else 1)
         if layout.sharded:
             elements /= layout.dp_shard
-        stage = _stage_of(name, layout, spec, block_names)
+        stage = _stage_of(name, layout, plan, block_names)
         for s in range(layout.pp) if stage is None else [stage]:
             per_stage[s] += elements
     elements = max(per_stage)
@@ -112,7 +103,7 @@ def estimate(cfg: RunConfig, layout: Layout, use_gpu: bool) -> MemoryEstimate:
         in_flight = mbs if cfg.parallel.pp_schedule == "gpipe" else min(mbs, layout.pp)
     else:
         micro_batch, in_flight = local_batch // cfg.training.grad_accum, 1
-    per_sample, per_block, block_input = activation_bytes(model, cfg, spec)
+    per_sample, per_block, block_input = activation_bytes(model, cfg, blocks)
     share = (len(block_names) / layout.pp if layout.pp > 1 else len(block_names)) / max(1, len(block_names))
     act = per_sample * share
     note = "measured on one sample"
@@ -135,7 +126,7 @@ def estimate(cfg: RunConfig, layout: Layout, use_gpu: bool) -> MemoryEstimate:
     )
 
 
-def activation_bytes(model: nn.Module, cfg: RunConfig, spec: Any) -> tuple[float, float, float]:
+def activation_bytes(model: nn.Module, cfg: RunConfig, blocks: Any) -> tuple[float, float, float]:
     """(bytes autograd saves for one sample, per block, a block's input), from a meta forward pass."""
     from rayjobs.data import data_info
 
@@ -158,7 +149,6 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, spec: Any) -> tuple[float
         return t
 
     hooks = []
-    blocks = getattr(model, spec.extra.get("layers_attr", ""), None) if spec is not None else None
     first = next(iter(blocks.values()), None) if isinstance(blocks, nn.ModuleDict) else None
     if first is not None:
 
@@ -181,13 +171,11 @@ def activation_bytes(model: nn.Module, cfg: RunConfig, spec: Any) -> tuple[float
 
 def warn_if_too_big(estimate_bytes: float | None, device: dict[str, Any], cfg: RunConfig) -> None:
     """Foresee an OOM: warn when the estimate exceeds 90% of the device's memory."""
-    from rayjobs.loop import log
-
     if not estimate_bytes or device["capability"] == "cpu":
         return
     if estimate_bytes > 0.9 * device["memory_gib"] * GIB:
-        log(
-            f"warning: the memory estimate ({estimate_bytes / GIB:.1f} GiB per rank) exceeds 90% of the "
+        log.warn(
+            f"the memory estimate ({estimate_bytes / GIB:.1f} GiB per rank) exceeds 90% of the "
             f"{device['memory_gib']} GiB of {device['name']}: expect an OOM; try a smaller micro-batch, "
             "parallel.strategy=fsdp, or parallel.activation_checkpointing=full"
         )

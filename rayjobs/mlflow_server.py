@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from rayjobs.errors import ConfigError
+from rayjobs.rundir import mlflow_db
 
 
 def server_command(
@@ -33,7 +34,7 @@ def server_command(
         "--port",
         str(port),
         "--backend-store-uri",
-        f"sqlite:///{store / 'mlflow.db'}",
+        f"sqlite:///{mlflow_db(store)}",
         "--artifacts-destination",
         str(store / "mlartifacts"),
         "--workers",

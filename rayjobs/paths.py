@@ -50,7 +50,7 @@ def durable(path: str, what: str) -> tuple[str, str | None]:
 
 def resolve(cfg: Any) -> list[str]:
     """Make every path in ``cfg`` absolute, in place; returns the notes the console should print."""
-    from rayjobs.object_store import is_uri
+    from rayjobs.storage.uri import is_uri
 
     notes: list[str] = []
     run = cfg.run
@@ -85,7 +85,7 @@ def _absolute_file_uri(uri: str) -> str:
 
 def relative_paths(cfg: Any) -> list[str]:
     """Config paths that are still relative: none once ``resolve`` ran."""
-    from rayjobs.object_store import is_uri
+    from rayjobs.storage.uri import is_uri
 
     found = []
     if not is_uri(cfg.run.storage_path) and not os.path.isabs(cfg.run.storage_path):

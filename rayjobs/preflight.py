@@ -1,4 +1,5 @@
-"""Checks made on the driver before Ray starts, for what a config needs but the machine may lack."""
+"""Checks made on the driver before Ray starts: packages a config needs, its data source, the
+checkpoint it resumes from, and the memory one rank will hold. Each problem is one line."""
 
 from __future__ import annotations
 
@@ -30,3 +31,57 @@ def missing_packages(cfg: Any, fields: tuple[str, ...] = ("data.name", "tune.sea
                 f"{field}: {value} needs the package {requirement!r}, which is not installed; pip install {requirement}"
             )
     return problems
+
+
+def check_data(cfg: Any) -> Any:
+    """A streamed dataset's source, checked before Ray starts (None for in-memory datasets)."""
+    from rayjobs import data as data_lib
+    from rayjobs import parallel
+    from rayjobs.errors import ConfigError
+
+    if not data_lib.is_streaming(cfg.data.name):
+        return None
+    from rayjobs.ray_data import DataError
+
+    if cfg.parallel.tp > 1 or cfg.parallel.pp > 1 or parallel.strategy(cfg.parallel.strategy).model_parallel:
+        raise ConfigError(
+            f"data.name={cfg.data.name} streams a different shard to every worker; tensor and pipeline "
+            f"parallel ranks need the same batches: use parallel.strategy ddp, fsdp or hsdp"
+        )
+    try:
+        return data_lib.DATASETS[cfg.data.name].load(**cfg.data.kwargs)
+    except DataError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_resume_from(cfg: Any) -> None:
+    """An explicit ``checkpoint.resume_from`` must be a complete checkpoint (checked before Ray starts)."""
+    if not cfg.checkpoint.resume_from:
+        return
+    import os
+
+    from rayjobs.checkpoint import verify
+    from rayjobs.errors import ConfigError
+
+    path = os.path.abspath(cfg.checkpoint.resume_from)
+    if not os.path.isdir(path):
+        raise ConfigError(f"checkpoint.resume_from: no checkpoint directory at {path}")
+    problem = verify(path)
+    if problem:
+        raise ConfigError(f"checkpoint.resume_from: {path} is not a complete checkpoint: {problem}")
+    cfg.checkpoint.resume_from = path
+
+
+def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
+    """Print what one rank will hold (parameters, gradients, optimizer state, activations); return the total."""
+    from rayjobs import log, parallel
+    from rayjobs.memory import estimate
+
+    layout = parallel.resolve_layout(cfg.parallel, world_size)
+    try:
+        est = estimate(cfg, layout, use_gpu)
+    except Exception as exc:  # noqa: BLE001 - a user's model may not run on the meta device
+        log.note(f"no memory estimate ({cfg.model.name} does not run on the meta device: {exc})")
+        return None
+    log.note(est.format(layout))
+    return est.total

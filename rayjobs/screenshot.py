@@ -9,6 +9,7 @@ run (train loss, validation loss and accuracy against the step), saves a PNG, st
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import urllib.parse
 from pathlib import Path
 
 from rayjobs.errors import ConfigError
+from rayjobs.rundir import mlflow_db
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -69,11 +71,10 @@ def take(
     if chromium is None:
         raise ConfigError("screenshot: Chromium not found; install it (Debian: apt-get install chromium)")
     store = Path(storage_path).resolve()
-    if not (store / "mlflow.db").exists():
-        raise ConfigError(
-            f"screenshot: no MLflow store at {store / 'mlflow.db'}; train a run with this storage path first"
-        )
-    c = client(f"sqlite:///{store / 'mlflow.db'}")
+    db = mlflow_db(store)
+    if not os.path.exists(db):
+        raise ConfigError(f"screenshot: no MLflow store at {db}; train a run with this storage path first")
+    c = client(f"sqlite:///{db}")
     exp = c.get_experiment_by_name(experiment)
     runs = c.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"]) if exp else []
     if run_name:

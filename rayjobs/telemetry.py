@@ -72,3 +72,92 @@ def device_peak(device: torch.device, precision: str) -> tuple[float, str]:
         torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
         return measured_matmul_peak(device, torch_dtype, n=4096), f"{name} {dtype} matmul measured"
     return measured_matmul_peak(device), f"CPU fp32 matmul measured ({torch.get_num_threads()} threads)"
+
+
+class Meter:
+    """Time, samples and MFU of one attempt: what the loop reports per step and prints.
+
+    ``train_s`` counts each step from the wait for its batch to the end of its logging (logging
+    counts against throughput); MFU is model FLOPs per sample x samples/s over the job's peak.
+    """
+
+    def __init__(
+        self,
+        flops_per_sample: float,
+        job_peak: float,
+        batch_size: int,
+        tokens_per_sample: int,
+        log_every: int,
+        first_step: int,
+    ) -> None:
+        self.flops_per_sample = flops_per_sample
+        self.job_peak = job_peak
+        self.batch_size = batch_size
+        self.tokens_per_sample = tokens_per_sample
+        self.log_every = log_every
+        self.first_step = first_step
+        self.train_s = 0.0
+        self.started = time.perf_counter()
+        self._t0 = self.started
+
+    def step_started(self) -> None:
+        """Mark the start of a step (before waiting for its batch)."""
+        self._t0 = time.perf_counter()
+
+    def since_step_start(self) -> float:
+        """Seconds since the step started (the data wait, when asked right after the batch came)."""
+        return time.perf_counter() - self._t0
+
+    def step_done(self) -> None:
+        """Count the step (and its logging) into the training time."""
+        self.train_s += time.perf_counter() - self._t0
+
+    def mfu(self, samples_per_s: float) -> float:
+        """Model FLOPs utilization of the job at this throughput."""
+        return self.flops_per_sample * samples_per_s / self.job_peak
+
+    def step_metrics(self, step: int, loss: float, lr: float, grad_norm: float, data_wait_s: float) -> dict[str, float]:
+        """What MLflow gets every ``tracking.log_every`` steps (nothing on the other steps)."""
+        if step % self.log_every:
+            return {}
+        step_s = self.since_step_start()
+        out = {
+            "train/step_loss": loss,
+            "train/lr": lr,
+            "train/grad_norm": grad_norm,
+            "perf/step_time_s": step_s,
+            "perf/samples_per_s": self.batch_size / step_s,
+        }
+        if self.flops_per_sample:
+            out["perf/mfu"] = self.mfu(self.batch_size / step_s)
+        if self.tokens_per_sample:
+            out["perf/tokens_per_s"] = self.batch_size * self.tokens_per_sample / step_s
+        out["perf/data_wait_fraction"] = data_wait_s / step_s
+        return out
+
+    def progress(
+        self, step: int, total_steps: int, stop_at: int, epoch: int, loss: float, lr: float, samples: int
+    ) -> str:
+        """The console's step line: loss, lr, throughput, MFU, elapsed and ETA."""
+        rate = samples / max(self.train_s, 1e-9)
+        elapsed = time.perf_counter() - self.started
+        return (
+            f"step {step}/{total_steps} epoch {epoch + 1} loss {loss:.4f} lr {lr:.2e} {rate:.0f} samples/s "
+            f"MFU {100 * self.mfu(rate):.1f}% {progress_times(elapsed, step - self.first_step + 1, stop_at - step)}"
+        )
+
+
+def progress_times(elapsed_s: float, steps_done: int, steps_left: int) -> str:
+    """``elapsed 1m05s eta 40s``: this attempt's time so far and the rest at its mean pace (evals included)."""
+    eta = elapsed_s / max(steps_done, 1) * steps_left
+    return f"elapsed {format_duration(elapsed_s)} eta {format_duration(eta)}"
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``1h02m``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"

@@ -14,13 +14,14 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from rayjobs.config import redact  # one rule for params, tags, artifacts and checkpoints
+from rayjobs.log import log
+from rayjobs.rundir import mlflow_db
 
 # Fail fast instead of MLflow's minutes of retries: the spool keeps what could not be sent.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
@@ -36,14 +37,9 @@ MODEL_CHECKPOINT_TAG = "rayjobs.model_checkpoint"  # the checkpoint the logged m
 CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
 
 
-def _log(message: str) -> None:
-    sys.stdout.write(f"[rayjobs] {message}\n")
-    sys.stdout.flush()
-
-
 def tracking_uri(cfg: Any) -> str:
     """The run's tracking URI: ``tracking.uri``, else an sqlite store beside the results (absolute)."""
-    return cfg.tracking.uri or f"sqlite:///{os.path.join(cfg.storage_path, 'mlflow.db')}"
+    return cfg.tracking.uri or f"sqlite:///{mlflow_db(cfg.storage_path)}"
 
 
 def artifact_location(cfg: Any) -> str | None:
@@ -84,50 +80,118 @@ def client(uri: str):
     return MlflowClient(tracking_uri=uri)
 
 
-def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = None, run_name: str | None = None) -> str:
-    """THE place that creates MLflow runs: the run whose tag ``rayjobs.run_key`` is ``run_key``, or a new one."""
-    c = client(tracking_uri(cfg))
-    name = cfg.tracking.experiment
-    exp = c.get_experiment_by_name(name)
-    if exp is None:
+class Tracker:
+    """The one handle on MLflow for a config: its URI resolved once, and the one place that creates runs.
+
+    ``open`` finds or creates the run of a run key (a training run's directory, a search's
+    experiment directory); ``child`` opens a run under a parent; ``log_params``, ``tag``,
+    ``finish`` (artifacts, the model, FINISHED), ``fail``, ``end`` and ``register`` act on a run.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.uri = tracking_uri(cfg)
+        self._client: Any = None
+
+    @property
+    def client(self) -> Any:
+        """The MlflowClient of this URI (made on first use)."""
+        if self._client is None:
+            self._client = client(self.uri)
+        return self._client
+
+    def open(self, run_key: str, tags: dict[str, str] | None = None, run_name: str | None = None) -> str:
+        """The run whose tag ``rayjobs.run_key`` is ``run_key`` (set RUNNING again), or a new one."""
+        c = self.client
+        exp_id = self._experiment_id()
+        digest = hashlib.sha256(run_key.encode()).hexdigest()[:32]
+        # Searched by a digest (no quote can break the filter, whatever the run's name); runs made before
+        # the digest tag existed are found by their key when it has no quote.
+        found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_DIGEST_TAG}` = '{digest}'", max_results=1)
+        if not found and "'" not in run_key:
+            found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
+        if found:
+            run_id = found[0].info.run_id
+            c.update_run(run_id, status="RUNNING")
+            return run_id
+        all_tags = {RUN_KEY_TAG: run_key, RUN_KEY_DIGEST_TAG: digest, **(tags or {})}
+        name = run_name or self.cfg.tracking.run_name or self.cfg.run.name
+        return c.create_run(exp_id, run_name=name, tags=all_tags).info.run_id
+
+    def child(self, run_key: str, parent_run_id: str, tags: dict[str, str] | None = None) -> str:
+        """A run nested under ``parent_run_id`` (a Tune trial under its search)."""
+        return self.open(run_key, {"mlflow.parentRunId": parent_run_id, **(tags or {})})
+
+    def _experiment_id(self) -> str:
+        c, name = self.client, self.cfg.tracking.experiment
+        exp = c.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
         try:
-            exp_id = c.create_experiment(name, artifact_location=artifact_location(cfg))
+            return c.create_experiment(name, artifact_location=artifact_location(self.cfg))
         except Exception:  # noqa: BLE001 - created meanwhile by another process
             exp = c.get_experiment_by_name(name)
             if exp is None:
                 raise
-            exp_id = exp.experiment_id
-    else:
-        exp_id = exp.experiment_id
-    digest = hashlib.sha256(run_key.encode()).hexdigest()[:32]
-    # Searched by a digest (no quote can break the filter, whatever the run's name); runs made before
-    # the digest tag existed are found by their key when it has no quote.
-    found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_DIGEST_TAG}` = '{digest}'", max_results=1)
-    if not found and "'" not in run_key:
-        found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
-    if found:
-        run_id = found[0].info.run_id
-        c.update_run(run_id, status="RUNNING")
-        return run_id
-    all_tags = {RUN_KEY_TAG: run_key, RUN_KEY_DIGEST_TAG: digest, **(tags or {})}
-    run = c.create_run(exp_id, run_name=run_name or cfg.tracking.run_name or cfg.run.name, tags=all_tags)
-    return run.info.run_id
+            return exp.experiment_id
+
+    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+        """Log params not yet on the run (MLflow refuses to change a param; a changed one becomes a tag)."""
+        from mlflow.entities import Param, RunTag
+
+        existing = self.client.get_run(run_id).data.params
+        new = [Param(k, v) for k, v in params.items() if k not in existing]
+        changed = [
+            RunTag(f"rayjobs.param_changed.{k}", f"{existing[k]} -> {v}")
+            for k, v in params.items()
+            if k in existing and existing[k] != v
+        ]
+        for i in range(0, max(len(new), len(changed)), 100):
+            self.client.log_batch(run_id, params=new[i : i + 100], tags=changed[i : i + 100])
+
+    def log_batch(
+        self, run_id: str, metrics: tuple[Any, ...] | list[Any] = (), params: tuple[Any, ...] | list[Any] = ()
+    ) -> None:
+        """Log MLflow ``Metric`` and ``Param`` entities at once."""
+        self.client.log_batch(run_id, metrics=list(metrics), params=list(params))
+
+    def log_artifact(self, run_id: str, path: str, artifact_path: str | None = None) -> None:
+        """Upload one file (or, for a directory, its files) as an artifact."""
+        if os.path.isdir(path):
+            self.client.log_artifacts(run_id, path, artifact_path)
+        else:
+            self.client.log_artifact(run_id, path, artifact_path)
+
+    def tag(self, run_id: str, key: str, value: str) -> None:
+        """Set one tag."""
+        self.client.set_tag(run_id, key, value)
+
+    def end(self, run_id: str, status: str) -> None:
+        """End a run as FINISHED, FAILED or KILLED."""
+        self.client.set_terminated(run_id, status)
+
+    def fail(self, run_id: str, reason: str = "") -> None:
+        """End a run FAILED (with ``rayjobs.failure`` when a reason is given)."""
+        if reason:
+            self.tag(run_id, "rayjobs.failure", reason)
+        self.end(run_id, "FAILED")
+
+    def finish(self, run_id: str, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:
+        """After fit: config, curve, chosen checkpoints, the model (registered when asked); FINISHED."""
+        log_final(self, run_id, summary, history)
+
+    def register(self, model_uri: str, name: str) -> tuple[str, str]:
+        """Register a logged model under ``name``: (name, version)."""
+        import mlflow
+
+        mlflow.set_tracking_uri(self.uri)
+        version = mlflow.register_model(model_uri, name)
+        return version.name, str(version.version)
 
 
-def log_params_once(uri: str, run_id: str, params: dict[str, str]) -> None:
-    """Log params not yet on the run (MLflow refuses to change a param; a changed one becomes a tag)."""
-    from mlflow.entities import Param, RunTag
-
-    c = client(uri)
-    existing = c.get_run(run_id).data.params
-    new = [Param(k, v) for k, v in params.items() if k not in existing]
-    changed = [
-        RunTag(f"rayjobs.param_changed.{k}", f"{existing[k]} -> {v}")
-        for k, v in params.items()
-        if k in existing and existing[k] != v
-    ]
-    for i in range(0, max(len(new), len(changed)), 100):
-        c.log_batch(run_id, params=new[i : i + 100], tags=changed[i : i + 100])
+def find_or_create_run(cfg: Any, run_key: str, tags: dict[str, str] | None = None, run_name: str | None = None) -> str:
+    """The run of ``run_key`` in ``cfg``'s store (``Tracker(cfg).open``)."""
+    return Tracker(cfg).open(run_key, tags, run_name)
 
 
 def run_tags(cfg: Any, world_size: int, device: str, nodes: int) -> dict[str, str]:
@@ -210,7 +274,7 @@ class MetricsLogger:
                 self.dropped_points += len(clean)
                 if not self.spool_warned:
                     self.spool_warned = True
-                    _log(
+                    log(
                         f"warning: cannot write the MLflow spool {self.spool} ({type(exc).__name__}: {exc}); "
                         "training goes on without these metrics until it can"
                     )
@@ -277,24 +341,15 @@ class MetricsLogger:
                 self.sent_points += len(chunk)
             self.sending.unlink()
             if self.warned:
-                _log(f"MLflow is reachable again: replayed the spooled metrics to run {self.run_id}")
+                log(f"MLflow is reachable again: replayed the spooled metrics to run {self.run_id}")
                 self.warned = False
         except Exception as exc:  # noqa: BLE001 - any failure: keep the spool, try again later
             if not self.warned:
                 self.warned = True
-                _log(
+                log(
                     f"warning: MLflow at {self.uri} is unavailable ({type(exc).__name__}); training goes on, "
                     f"metrics are spooled to {self.spool} and replayed when it is back"
                 )
-
-
-def next_attempt(run_dir: str | os.PathLike[str]) -> int:
-    """Count one more start of a run (a file in its directory; works while MLflow is away)."""
-    path = Path(run_dir, ".attempts")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    n = int(path.read_text() or 0) + 1 if path.exists() else 1
-    path.write_text(str(n))
-    return n
 
 
 def pending_path(spool_path: str | os.PathLike[str]) -> Path:
@@ -307,7 +362,7 @@ def has_pending(spool_path: str | os.PathLike[str]) -> bool:
     return Path(spool_path).exists() or pending_path(spool_path).exists()
 
 
-def log_final(cfg: Any, run_id: str, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:
+def log_final(tracker: Tracker, run_id: str, summary: dict[str, Any], history: list[dict[str, Any]]) -> None:
     """Driver, after fit: config, curve, chosen checkpoints, the model (registered when asked); end the run."""
     import tempfile
 
@@ -315,24 +370,24 @@ def log_final(cfg: Any, run_id: str, summary: dict[str, Any], history: list[dict
 
     from rayjobs.checkpoint import list_checkpoints
 
-    c = client(tracking_uri(cfg))
+    cfg, c = tracker.cfg, tracker.client
     with tempfile.TemporaryDirectory() as d:
         cfg_path = Path(d, "config.yaml")
         cfg_path.write_text(yaml.safe_dump(_redacted_config(cfg), sort_keys=False))
-        c.log_artifact(run_id, str(cfg_path))
+        tracker.log_artifact(run_id, str(cfg_path))
         if history:
             curve = Path(d, "learning_curve.png")
             draw_curve(history, curve, cfg.run.name)
-            c.log_artifact(run_id, str(curve))
+            tracker.log_artifact(run_id, str(curve))
     kept = [ck for ck in list_checkpoints(cfg.run_dir, check=False) if ck.complete]
     chosen = _chosen_checkpoints(cfg, kept, summary.get("checkpoint"))
     for path in chosen:
-        c.log_artifacts(run_id, path, f"checkpoints/{Path(path).name}")
+        tracker.log_artifact(run_id, path, f"checkpoints/{Path(path).name}")
     final = summary.get("checkpoint")
     if final and c.get_run(run_id).data.tags.get(MODEL_CHECKPOINT_TAG) != final:
-        log_model(cfg, run_id, final)
-        c.set_tag(run_id, MODEL_CHECKPOINT_TAG, final)  # a re-run of a finished run logs (and registers) no copy
-    c.set_terminated(run_id, "FINISHED")
+        log_model(tracker, run_id, final)
+        tracker.tag(run_id, MODEL_CHECKPOINT_TAG, final)  # a re-run of a finished run logs (and registers) no copy
+    tracker.end(run_id, "FINISHED")
 
 
 def _redacted_config(cfg: Any) -> dict[str, Any]:
@@ -384,7 +439,7 @@ def draw_curve(history: list[dict[str, Any]], out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def log_model(cfg: Any, run_id: str, checkpoint: str) -> None:
+def log_model(tracker: Tracker, run_id: str, checkpoint: str) -> None:
     """The final weights as an MLflow PyTorch model with signature and input example; registered if asked."""
     import mlflow
     import numpy as np
@@ -394,8 +449,9 @@ def log_model(cfg: Any, run_id: str, checkpoint: str) -> None:
     from models import build_model
     from rayjobs import data as data_lib
     from rayjobs.checkpoint import load
-    from rayjobs.parallel import WorkerContext
+    from rayjobs.context import WorkerContext
 
+    cfg = tracker.cfg
     info, example = data_lib.example_inputs(cfg.data.name, cfg.data.kwargs)
     model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, info)
     load(checkpoint, model, None, WorkerContext(0, 1, 0, torch.device("cpu")))
@@ -403,7 +459,7 @@ def log_model(cfg: Any, run_id: str, checkpoint: str) -> None:
     with torch.no_grad():
         output = model(example)
     signature = infer_signature(example.numpy(), output.numpy())
-    mlflow.set_tracking_uri(tracking_uri(cfg))
+    mlflow.set_tracking_uri(tracker.uri)
     with mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model,

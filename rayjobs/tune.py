@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rayjobs import log
 from rayjobs.config import SPACE_KINDS, RunConfig, from_dict, set_by_path
 from rayjobs.errors import ConfigError, TrainingFailed
+from rayjobs.rundir import RunDir
 
 POINTER = "pointer.json"  # a Tune checkpoint (PBT) names the Train checkpoint it stands for
 
@@ -133,7 +135,7 @@ def trial_driver(params: dict[str, Any], base: dict[str, Any], layout: dict[str,
     trial_id = ray.tune.get_context().get_trial_id()
     raw = trial_config(base, params)
     raw["run"].update(name=trial_id, storage_path=layout["train_storage"])
-    train.record_event(os.path.join(layout["train_storage"], trial_id), "trial_start")
+    RunDir(os.path.join(layout["train_storage"], trial_id)).record_event("trial_start")
     raw["tracking"].update(register_as="", run_name=f"{layout['name']}-{trial_id}")
     # Every report carries the search metric: checkpoints are taken exactly at the evals.
     evals = raw["training"]["eval_every"]
@@ -197,18 +199,16 @@ def _record_exploit(layout: dict[str, Any], trial_id: str, pointer: dict[str, An
         "checkpoint": pointer["path"],
         "time": time.time(),
     }
-    path = Path(layout["train_storage"], trial_id, "pbt_exploits.jsonl")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(json.dumps(event) + "\n")
-    sys.stdout.write(f"[rayjobs] pbt: trial {trial_id} exploits {pointer['trial_id']} at step {pointer['step']}\n")
+    RunDir(os.path.join(layout["train_storage"], trial_id)).record_exploit(event)
+    log.log(f"pbt: trial {trial_id} exploits {pointer['trial_id']} at step {pointer['step']}")
     if layout["parent_run_id"]:
         try:
             from rayjobs import tracking
 
             cfg = from_dict(raw)
-            run_id = tracking.find_or_create_run(cfg, os.path.join(layout["train_storage"], trial_id))
-            tracking.client(tracking.tracking_uri(cfg)).set_tag(
+            tracker = tracking.Tracker(cfg)
+            run_id = tracker.open(os.path.join(layout["train_storage"], trial_id))
+            tracker.tag(
                 run_id, f"rayjobs.pbt.exploit.step{pointer['step']}", f"cloned from trial {pointer['trial_id']}"
             )
         except Exception:  # noqa: BLE001 - tracking never stops training
@@ -249,7 +249,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     from rayjobs import paths, preflight
 
     for note in paths.resolve(cfg):
-        print(f"rayjobs: {note}", flush=True)
+        log.note(note)
     problems = space_problems(cfg) + preflight.missing_packages(cfg)
     if cfg.scaling.num_workers == 0:
         problems.append("scaling.num_workers: a search needs workers (each trial runs a TorchTrainer); use 1 or more")
@@ -262,12 +262,12 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     import ray
     from ray import tune
 
-    from rayjobs import train
+    from rayjobs import launch
     from rayjobs.tune_progress import ProgressTable
 
     started = time.time()
-    plan = train.plan_scaling(cfg, train.cluster_gpu_count())
-    train.init_ray(plan)
+    plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
+    launch.init_ray(plan)
     steps = _run_length(cfg)
     layout["perturbation_interval"] = _interval(cfg, steps)
     parent = _start_parent(cfg, layout) if cfg.tracking.enabled else None
@@ -394,10 +394,10 @@ def _start_parent(cfg: RunConfig, layout: dict[str, Any]) -> str | None:
 
     try:
         tags = {"rayjobs.kind": "tune", "tune.scheduler": cfg.tune.scheduler, "tune.search": cfg.tune.search}
-        run_id = tracking.find_or_create_run(cfg, layout["experiment_dir"], tags, run_name=layout["name"])
+        tracker = tracking.Tracker(cfg)
+        run_id = tracker.open(layout["experiment_dir"], tags, run_name=layout["name"])
         space = {f"tune.space.{k}": json.dumps(v) for k, v in cfg.tune.space.items()}
-        tracking.log_params_once(
-            tracking.tracking_uri(cfg),
+        tracker.log_params(
             run_id,
             {
                 **space,
@@ -410,13 +410,12 @@ def _start_parent(cfg: RunConfig, layout: dict[str, Any]) -> str | None:
         )
         return run_id
     except Exception as exc:  # noqa: BLE001 - tracking never stops the search
-        print(f"[rayjobs] warning: MLflow unavailable for the search's parent run ({type(exc).__name__})", flush=True)
+        log.warn(f"MLflow unavailable for the search's parent run ({type(exc).__name__})")
         return None
 
 
 def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int, started: float) -> dict[str, Any]:
     from rayjobs import tracking
-    from rayjobs.train import read_events, read_history
 
     trials = []
     for r in results:
@@ -425,18 +424,17 @@ def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int,
         }
         trial_id = (r.metrics or {}).get("trial_id")  # Tune adds it to every result
         run_dir = os.path.join(layout["train_storage"], str(trial_id))
-        exploits_file = Path(run_dir, "pbt_exploits.jsonl")
-        exploits = [json.loads(x) for x in exploits_file.read_text().splitlines()] if exploits_file.exists() else []
+        exploits = RunDir(run_dir).read_exploits()
         last_step = int(metrics.get("step", 0))
         status = "error" if r.error else ("done" if last_step >= steps else "stopped early")
         run_id = None
         if cfg.tracking.enabled:
             try:
-                run_id = tracking.find_or_create_run(cfg, run_dir) if os.path.isdir(run_dir) else None
+                run_id = tracking.Tracker(cfg).open(run_dir) if os.path.isdir(run_dir) else None
             except Exception:  # noqa: BLE001
                 run_id = None
-        history = read_history(os.path.join(run_dir, "metrics.jsonl"))
-        starts, first_steps = read_events(run_dir, "trial_start"), read_events(run_dir, "first_step")
+        history = RunDir(run_dir).read_history()
+        starts, first_steps = RunDir(run_dir).read_events("trial_start"), RunDir(run_dir).read_events("first_step")
         trials.append(
             {
                 "id": trial_id,
@@ -483,27 +481,27 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
 
     from rayjobs import tracking
 
-    c = tracking.client(tracking.tracking_uri(cfg))
+    tracker = tracking.Tracker(cfg)
+    c = tracker.client  # reads; every change goes through the tracker
     parent = layout["parent_run_id"]
     failed = [t for t in summary["trials"] if t["status"] == "error"]
     if summary["trials"] and len(failed) == len(summary["trials"]):
         for t in failed:
             if t["mlflow_run_id"] and c.get_run(t["mlflow_run_id"]).info.status == "RUNNING":
-                c.set_terminated(t["mlflow_run_id"], "FAILED")
-        c.set_tag(parent, "rayjobs.failure", summary["failed"])
-        c.set_terminated(parent, "FAILED")
+                tracker.fail(t["mlflow_run_id"])
+        tracker.fail(parent, summary["failed"])
         return
     for t in summary["trials"]:
         if not t["mlflow_run_id"]:
             continue
         run = c.get_run(t["mlflow_run_id"])
         if run.info.status == "RUNNING":
-            c.set_terminated(t["mlflow_run_id"], "KILLED" if t["status"] == "stopped early" else "FAILED")
-        c.set_tag(t["mlflow_run_id"], "rayjobs.tune.status", t["status"])
+            tracker.end(t["mlflow_run_id"], "KILLED" if t["status"] == "stopped early" else "FAILED")
+        tracker.tag(t["mlflow_run_id"], "rayjobs.tune.status", t["status"])
         if t["id"] == summary["best_trial"]:
-            c.set_tag(t["mlflow_run_id"], "rayjobs.best", "true")
+            tracker.tag(t["mlflow_run_id"], "rayjobs.best", "true")
     now = int(time.time() * 1000)
-    c.log_batch(
+    tracker.log_batch(
         parent,
         metrics=[Metric(f"best/{k}", float(v), now, 0) for k, v in summary["best_metrics"].items()],
         params=[
@@ -515,7 +513,7 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
     with tempfile.TemporaryDirectory() as d:
         draw_search_plots(summary, cfg.tune.metric, Path(d))
         for png in Path(d).glob("*.png"):
-            c.log_artifact(parent, str(png))
+            tracker.log_artifact(parent, str(png))
     best = next((t for t in summary["trials"] if t["id"] == summary["best_trial"]), None)
     if cfg.tracking.register_as:
         uri = (
@@ -528,17 +526,14 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
             name, version = registered.split("@", 1)[0].rsplit(":", 1)
             summary["registered_model"] = {"name": name, "version": version}
         elif uri:
-            import mlflow
-
-            mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
-            version = mlflow.register_model(uri, cfg.tracking.register_as)
-            summary["registered_model"] = {"name": version.name, "version": version.version}
-            c.set_tag(parent, REGISTERED_TAG, f"{version.name}:{version.version}@{uri}")
+            name, version = tracker.register(uri, cfg.tracking.register_as)
+            summary["registered_model"] = {"name": name, "version": version}
+            tracker.tag(parent, REGISTERED_TAG, f"{name}:{version}@{uri}")
         else:
             why = "no best trial" if not best else f"trial {best['id']} ({best['status']}) logged no model"
             summary["registered_model"] = {"skipped": why}
-            print(f"[rayjobs] warning: best model not registered: {why}", flush=True)
-    c.set_terminated(parent, "FINISHED")
+            log.warn(f"best model not registered: {why}")
+    tracker.end(parent, "FINISHED")
 
 
 def draw_search_plots(summary: dict[str, Any], metric: str, out_dir: Path) -> None:
@@ -597,12 +592,7 @@ def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) and not math.isnan(v) else str(v)
 
 
-def main() -> None:
-    """``python -m rayjobs.tune``: the same as ``rayjobs tune``."""
-    from rayjobs.cli import main as cli_main
+if __name__ == "__main__":  # ``python -m rayjobs.tune`` is ``rayjobs tune`` (what ``ray job submit`` runs)
+    from rayjobs.cli import main
 
-    cli_main(["tune", *sys.argv[1:]])
-
-
-if __name__ == "__main__":
-    main()
+    main(["tune", *sys.argv[1:]])

@@ -20,6 +20,7 @@ from rayjobs import checkpoint as ckpt
 from rayjobs import train
 from rayjobs.config import load_config
 from rayjobs.errors import TrainingFailed
+from rayjobs.rundir import read_history
 
 BASE = [
     "scaling.num_workers=0",
@@ -69,8 +70,8 @@ def test_rerun_after_a_crash_resumes_bit_identical(tmp_path, uninterrupted):
     for key in reference:
         assert torch.equal(resumed[key], reference[key]), key
     # The reports after the resume point match the uninterrupted run's exactly.
-    ref_hist = {h["step"]: h for h in train.read_history(uninterrupted["history"])}
-    new_hist = {h["step"]: h for h in train.read_history(summary["history"])}
+    ref_hist = {h["step"]: h for h in read_history(uninterrupted["history"])}
+    new_hist = {h["step"]: h for h in read_history(summary["history"])}
     for step in (60, 75, 90, 105):
         assert new_hist[step]["train/loss"] == ref_hist[step]["train/loss"], step
         assert new_hist[step]["val/loss"] == ref_hist[step]["val/loss"], step

@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from models import DataInfo, build_model
-from rayjobs import loop
+from rayjobs import stepping
 from rayjobs.config import from_dict
-from rayjobs.parallel import WorkerContext, wrap_data_parallel
+from rayjobs.context import WorkerContext
+from rayjobs.parallel import wrap_ddp
 
 STEPS, GLOBAL_BATCH = 5, 16
 CASES = {
@@ -45,12 +46,12 @@ def _train(name: str, ctx: WorkerContext, accum: int) -> torch.nn.Module:
     info, optim = CASES[name]
     cfg = from_dict({"optim": optim, "training": {"grad_accum": accum}})
     torch.manual_seed(0)
-    model = wrap_data_parallel(build_model(name, "debug", {}, info).double(), ctx)
-    opt = loop.build_optimizer(model, cfg)
+    model = wrap_ddp(build_model(name, "debug", {}, info).double(), ctx)
+    opt = stepping.build_optimizer(model, cfg)
     per_rank = GLOBAL_BATCH // ctx.world_size
     for x, y in _data(name):
         xs, ys = x[ctx.rank * per_rank : (ctx.rank + 1) * per_rank], y[ctx.rank * per_rank : (ctx.rank + 1) * per_rank]
-        loop.train_step(model, list(zip(xs.chunk(accum), ys.chunk(accum))), opt, cfg, ctx)
+        stepping.train_step(model, list(zip(xs.chunk(accum), ys.chunk(accum))), opt, cfg, ctx)
     return model
 
 
@@ -91,9 +92,9 @@ def gpt_ddp(ctx: WorkerContext) -> tuple:
     info, optim = CASES["gpt"]
     cfg = from_dict({"optim": optim})
     torch.manual_seed(0)
-    model = wrap_data_parallel(build_model("gpt", "debug", {}, info), ctx)
-    opt = loop.build_optimizer(model, cfg)
-    return model, opt, loop.build_scheduler(opt, cfg, 10), cfg
+    model = wrap_ddp(build_model("gpt", "debug", {}, info), ctx)
+    opt = stepping.build_optimizer(model, cfg)
+    return model, opt, stepping.build_scheduler(opt, cfg, 10), cfg
 
 
 def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
@@ -108,7 +109,7 @@ def _async_saver_worker(rank: int, world: int, port: int, root: str) -> None:
         saver = Saver(root, ctx, {}, keep_last=2, async_save=True)
         for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
             per = GLOBAL_BATCH // world
-            loop.train_step(
+            stepping.train_step(
                 model, [(x[rank * per : (rank + 1) * per].long(), y[rank * per : (rank + 1) * per])], opt, cfg, ctx
             )
             saver.save(step, model, opt, sched, None, TrainState(step=step))  # DDP keeps running meanwhile
@@ -140,17 +141,17 @@ def _buffers_worker(rank: int, world: int, port: int, root: str) -> None:
         info = DataInfo("image", (1, 8, 8), 10)
         cfg = from_dict({"model": {"name": "digits_cnn", "flavor": "debug"}, "optim": {"name": "sgd", "lr": 0.1}})
         torch.manual_seed(0)
-        model = wrap_data_parallel(build_model("digits_cnn", "debug", {}, info), ctx)  # BatchNorm inside
-        opt = loop.build_optimizer(model, cfg)
+        model = wrap_ddp(build_model("digits_cnn", "debug", {}, info), ctx)  # BatchNorm inside
+        opt = stepping.build_optimizer(model, cfg)
         g = torch.Generator().manual_seed(10 + rank)  # each rank its own batches: its own running statistics
         for _ in range(3):
             x, y = torch.randn(8, 1, 8, 8, generator=g) * (1 + rank), torch.randint(0, 10, (8,), generator=g)
-            loop.train_step(model, [(x, y)], opt, cfg, ctx)
+            stepping.train_step(model, [(x, y)], opt, cfg, ctx)
         mine = {k: v.clone() for k, v in model.module.named_buffers()}
         theirs = [None] * world
         dist.all_gather_object(theirs, mine)
         Saver(root, ctx, cfg.model_dump(mode="json"), keep_last=1).save(
-            3, model, opt, loop.build_scheduler(opt, cfg, 3), None, TrainState(step=3)
+            3, model, opt, stepping.build_scheduler(opt, cfg, 3), None, TrainState(step=3)
         )
         if rank == 0:
             torch.save({"rank0": theirs[0], "rank1": theirs[1]}, Path(root) / "buffers.pt")

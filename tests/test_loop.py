@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from models import DataInfo, build_model
-from rayjobs import loop
+from rayjobs import stepping
 from rayjobs.config import from_dict, load_config
-from rayjobs.parallel import WorkerContext
+from rayjobs.context import WorkerContext
+from rayjobs.rundir import read_history
 
 INFO = DataInfo(kind="image", input_shape=(1, 8, 8), num_classes=10)
 CPU = WorkerContext(0, 1, 0, torch.device("cpu"))
@@ -31,9 +32,9 @@ def test_grad_accumulation_equals_one_large_batch(accum: int):
     x, y = _batch(32)
     opt_big = torch.optim.SGD(big.parameters(), lr=0.1)
     opt_small = torch.optim.SGD(small.parameters(), lr=0.1)
-    big_step = loop.train_step(big, [(x, y)], opt_big, cfg, CPU)
+    big_step = stepping.train_step(big, [(x, y)], opt_big, cfg, CPU)
     micro = list(zip(x.chunk(accum), y.chunk(accum)))
-    small_step = loop.train_step(small, micro, opt_small, cfg, CPU)
+    small_step = stepping.train_step(small, micro, opt_small, cfg, CPU)
     loss_big, norm_big, loss_small, norm_small = (
         big_step.loss,
         big_step.grad_norm,
@@ -51,7 +52,7 @@ def test_grad_clip_bounds_the_update():
     torch.manual_seed(0)
     model = build_model("mlp", "debug", {}, INFO)
     before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-    norm = loop.train_step(model, [_batch(16)], torch.optim.SGD(model.parameters(), lr=1.0), cfg, CPU).grad_norm
+    norm = stepping.train_step(model, [_batch(16)], torch.optim.SGD(model.parameters(), lr=1.0), cfg, CPU).grad_norm
     after = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert norm > 0.01
     assert (after - before).norm().item() == pytest.approx(0.01, rel=1e-4)
@@ -60,7 +61,7 @@ def test_grad_clip_bounds_the_update():
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
 def test_lr_schedules_warm_up_then_follow_their_shape(schedule: str):
     cfg = from_dict({"optim": {"schedule": schedule, "warmup_steps": 10}})
-    factors = [loop.lr_factor(s, cfg, 110) for s in range(110)]
+    factors = [stepping.lr_factor(s, cfg, 110) for s in range(110)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert factors[10] == pytest.approx(1.0)
     if schedule == "constant":
@@ -72,9 +73,9 @@ def test_lr_schedules_warm_up_then_follow_their_shape(schedule: str):
 
 
 def test_micro_batch_size_must_divide():
-    assert loop.micro_batch_size(64, 2, 4) == 8
+    assert stepping.micro_batch_size(64, 2, 4) == 8
     with pytest.raises(ValueError, match="multiple of workers x grad_accum = 6"):
-        loop.micro_batch_size(64, 2, 3)
+        stepping.micro_batch_size(64, 2, 3)
 
 
 def test_local_mode_trains_digits_and_loss_goes_down(tmp_path):
@@ -97,7 +98,7 @@ def test_local_mode_trains_digits_and_loss_goes_down(tmp_path):
     assert summary["num_workers"] == 0 and summary["mlflow_run_id"]
     assert m["step"] == 3 * (1257 // 32)
     assert m["test/accuracy"] > 0.9 and m["train/loss"] < 0.5
-    history = [h for h in train.read_history(summary["history"]) if "val/loss" in h]
+    history = [h for h in read_history(summary["history"]) if "val/loss" in h]
     assert [h["step"] for h in history] == [*range(10, 111, 10), 117]
     assert history[0]["train/loss"] > history[-1]["train/loss"]
     assert summary["checkpoint"].endswith(f"checkpoint_{m['step']:08d}")

@@ -14,9 +14,9 @@ from test_cli import run_cli
 
 from rayjobs import devices
 from rayjobs.config import from_dict
+from rayjobs.context import WorkerContext
 from rayjobs.memory import estimate
-from rayjobs.parallel import WorkerContext
-from rayjobs.strategies import resolve_layout
+from rayjobs.parallel import resolve_layout
 
 
 def _estimate(strategy: str, world: int, **parallel):

@@ -21,9 +21,10 @@ from conftest import VENV_BIN, free_port, spawn_ranks
 
 from rayjobs import checkpoint as ckpt
 from rayjobs.config import from_dict, load_config
+from rayjobs.context import WorkerContext
 from rayjobs.errors import ConfigError
-from rayjobs.object_store import RunStore, StoreError
-from rayjobs.parallel import WorkerContext
+from rayjobs.rundir import read_history
+from rayjobs.storage.bucket import RunStore, StoreError
 
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "rayjobs-test", "AWS_SECRET_ACCESS_KEY": "rayjobs-test-secret"}
 
@@ -98,9 +99,9 @@ def _two_nodes_worker(rank: int, world: int, port: int, root: str, uri: str) -> 
     from test_ddp_gloo import CASES, _data, gpt_ddp
 
     from models import build_model
-    from rayjobs import loop
+    from rayjobs import stepping
     from rayjobs.checkpoint import Saver, TrainState
-    from rayjobs.parallel import wrap_data_parallel
+    from rayjobs.parallel import wrap_ddp
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
@@ -114,7 +115,7 @@ def _two_nodes_worker(rank: int, world: int, port: int, root: str, uri: str) -> 
         saver = Saver(str(local), ctx, {}, keep_last=2, async_save=True, store=store)
         for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
             per = x.shape[0] // world
-            loop.train_step(
+            stepping.train_step(
                 model, [(x[rank * per : (rank + 1) * per].long(), y[rank * per : (rank + 1) * per])], opt, cfg, ctx
             )
             saver.save(step, model, opt, sched, None, TrainState(step=step), force_sync=step < 3)
@@ -122,8 +123,8 @@ def _two_nodes_worker(rank: int, world: int, port: int, root: str, uri: str) -> 
         # Node 1 never saw rank 0's shards: it downloads them, and both ranks load the same weights.
         path = ckpt.fetch_latest(store, local, ctx)
         assert path == str(local / ckpt.name_for(3)), path
-        fresh = wrap_data_parallel(build_model("gpt", "debug", {}, info), ctx)
-        fresh_opt = loop.build_optimizer(fresh, cfg)
+        fresh = wrap_ddp(build_model("gpt", "debug", {}, info), ctx)
+        fresh_opt = stepping.build_optimizer(fresh, cfg)
         ckpt.load(path, fresh, fresh_opt, ctx)
         for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
             assert torch.equal(a, b), name
@@ -207,7 +208,7 @@ def test_ray_workers_checkpoint_to_the_bucket_and_a_new_node_resumes_from_it(
     shutil.rmtree(tmp_path / "local")
     second = train.run(load_config(None, [*base, "training.epochs=2"]))
     assert second["metrics"]["step"] == 2 * steps
-    history = train.read_history(second["history"])
+    history = read_history(second["history"])
     assert min(h["step"] for h in history) > steps, history  # resumed from the bucket, not from step 0
     assert second["metrics"]["test/accuracy"] > 0.85
     assert Path(second["checkpoint"], "manifest.json").is_file()  # the driver's local copy, checked

@@ -13,6 +13,7 @@ from rayjobs import checkpoint as ckpt
 from rayjobs import train
 from rayjobs.config import load_config
 from rayjobs.errors import TrainingFailed
+from rayjobs.rundir import read_history
 
 pytestmark = pytest.mark.ray
 
@@ -52,8 +53,8 @@ def test_worker_killed_hard_resumes_bit_identical(runs):
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
-    ref = {h["step"]: h for h in train.read_history(reference["history"])}
-    new = {h["step"]: h for h in train.read_history(killed["history"])}
+    ref = {h["step"]: h for h in read_history(reference["history"])}
+    new = {h["step"]: h for h in read_history(killed["history"])}
     for step in (30, STEPS):  # reports after the resume point (step 20)
         assert new[step]["train/loss"] == ref[step]["train/loss"] and new[step]["val/loss"] == ref[step]["val/loss"]
 

@@ -11,6 +11,7 @@ from test_cli import run_cli
 from rayjobs import train
 from rayjobs.config import load_config
 from rayjobs.errors import TrainingFailed
+from rayjobs.rundir import read_history
 
 pytestmark = pytest.mark.ray
 
@@ -85,7 +86,7 @@ def test_a_text_corpus_trains_gpt_and_resumes_inside_an_epoch(ray_cluster, tmp_p
     rows = 3 * ((tmp_path / "train" / "doc0.txt").stat().st_size // 33)  # byte tokens, 32 + 1 per row
     steps_per_epoch = rows // 16
     assert summary["metrics"]["step"] == 2 * steps_per_epoch
-    history = train.read_history(summary["history"])
+    history = read_history(summary["history"])
     evals = [h for h in history if "val/loss" in h]
     assert evals[0]["step"] == 10 and evals[-1]["val/loss"] < 0.6 * evals[0]["val/loss"], evals
     assert [h["step"] for h in evals] == sorted({h["step"] for h in evals})  # no step twice after the resume
@@ -93,7 +94,8 @@ def test_a_text_corpus_trains_gpt_and_resumes_inside_an_epoch(ray_cluster, tmp_p
 
 def test_no_cpu_left_for_ray_data_is_said_before_training(ray_cluster, capfd):
     """Workers that take every CPU would starve Ray Data's read tasks: the driver says so, and how to fix it."""
-    from rayjobs.train import ScalingPlan, init_ray
+    from rayjobs.launch import init_ray
+    from rayjobs.plan import ScalingPlan
 
     init_ray(ScalingPlan(2, False, {"CPU": 1.0}), streaming=True)
     err = capfd.readouterr().err

@@ -9,6 +9,7 @@ from conftest import checkpoint_weights
 
 from rayjobs import train
 from rayjobs.config import CONFIG_DIR, load_config
+from rayjobs.rundir import read_history
 
 pytestmark = pytest.mark.ray
 
@@ -32,7 +33,7 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
     assert m["train/loss"] < 0.5 and m["val/loss"] < 1.0
 
     # Every report reached the driver's history: the first report's loss is far above the last one.
-    history = [h for h in train.read_history(summary["history"]) if "val/loss" in h]
+    history = [h for h in read_history(summary["history"]) if "val/loss" in h]
     assert [h["step"] for h in history] == [10, 20, 30, 40, 50, 60, 70, 76]
     assert history[0]["train/loss"] > 2 * history[-1]["train/loss"], history
 
@@ -70,7 +71,7 @@ def test_shipped_parallel_configs_train_on_cpu_workers(ray_cluster, tmp_path, ca
         ],
     )
     summary = train.run(cfg)
-    history = [h for h in train.read_history(summary["history"]) if "val/loss" in h]
+    history = [h for h in read_history(summary["history"]) if "val/loss" in h]
     assert [h["step"] for h in history] == [10, 20, 30, 40]
     assert history[-1]["train/loss"] < 0.8 * history[0]["train/loss"], history
     assert history[-1]["val/loss"] < history[0]["val/loss"]

@@ -21,11 +21,11 @@ from torch.utils.data import TensorDataset
 
 from models import build_model
 from rayjobs import checkpoint as ckpt
-from rayjobs import loop, strategies
+from rayjobs import parallel, stepping
 from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import from_dict
+from rayjobs.context import WorkerContext
 from rayjobs.data import data_info
-from rayjobs.parallel import WorkerContext
 
 STEPS, GLOBAL_BATCH, SEQ, VOCAB = 4, 8, 16, 32
 RTOL = 1e-9
@@ -89,16 +89,16 @@ def _worker(rank: int, world: int, port: int, strategy: str, extra: dict, out: s
     )
     try:
         cfg = _cfg(strategy, extra)
-        ctx, layout = strategies.place(cfg, WorkerContext.from_process_group())
+        ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
         shard, shards = ctx.data_shard
         per = GLOBAL_BATCH // shards
 
-        def parallel(seed: int):
-            par = strategies.apply(_model(cfg, seed), cfg, ctx, layout, loop.loss_fn)
-            return par, loop.build_optimizer(par.model, cfg)
+        def parallelized(seed: int):
+            par = parallel.apply(_model(cfg, seed), cfg, ctx, layout, stepping.loss_fn)
+            return par, stepping.build_optimizer(par.model, cfg)
 
         def step(par, opt, x, y):
-            return loop.train_step(
+            return stepping.train_step(
                 par.model,
                 [(x[shard * per : (shard + 1) * per], y[shard * per : (shard + 1) * per])],
                 opt,
@@ -107,15 +107,15 @@ def _worker(rank: int, world: int, port: int, strategy: str, extra: dict, out: s
                 pipeline=par.pipeline,
             )
 
-        par, opt = parallel(0)
+        par, opt = parallelized(0)
         batches = _batches()
         results = [step(par, opt, x, y) for x, y in batches[:STEPS]]
-        evaluated = loop.evaluate(par.model, _eval_set(), cfg, ctx, "val", pipeline=par.pipeline)
+        evaluated = stepping.evaluate(par.model, _eval_set(), cfg, ctx, "val", pipeline=par.pipeline)
         saver = Saver(out, ctx, cfg.model_dump(mode="json"), keep_last=1)
-        path = saver.save(STEPS, par.model, opt, loop.build_scheduler(opt, cfg, 100), None, TrainState(step=STEPS))
+        path = saver.save(STEPS, par.model, opt, stepping.build_scheduler(opt, cfg, 100), None, TrainState(step=STEPS))
         saver.wait()
 
-        again, opt2 = parallel(seed=7)  # other weights, then the checkpoint over them
+        again, opt2 = parallelized(seed=7)  # other weights, then the checkpoint over them
         ckpt.load(path, again.model, opt2, ctx)
         same = all(
             torch.equal(_local(a), _local(b))
@@ -148,10 +148,10 @@ def reference() -> dict:
     """One process, the whole global batch per step."""
     cfg = _cfg("ddp", {})
     model = _model(cfg)
-    opt = loop.build_optimizer(model, cfg)
+    opt = stepping.build_optimizer(model, cfg)
     ctx = WorkerContext(0, 1, 0, torch.device("cpu"))
-    results = [loop.train_step(model, [(x, y)], opt, cfg, ctx) for x, y in _batches()[:STEPS]]
-    evaluated = loop.evaluate(model, _eval_set(), cfg, ctx, "val")
+    results = [stepping.train_step(model, [(x, y)], opt, cfg, ctx) for x, y in _batches()[:STEPS]]
+    evaluated = stepping.evaluate(model, _eval_set(), cfg, ctx, "val")
     return {
         "losses": [r.loss for r in results],
         "grad_norms": [r.grad_norm for r in results],
@@ -218,11 +218,11 @@ def test_compile_and_checkpointing_keep_the_losses_and_the_checkpoint_names(tmp_
 
 def test_dataparallel_is_one_worker_and_recommends_ddp(capsys):
     cfg = _cfg("dataparallel", {})
-    ctx, layout = strategies.place(cfg, WorkerContext(0, 1, 0, torch.device("cpu")))
-    par = strategies.apply(_model(cfg), cfg, ctx, layout, loop.loss_fn)
+    ctx, layout = parallel.place(cfg, WorkerContext(0, 1, 0, torch.device("cpu")))
+    par = parallel.apply(_model(cfg), cfg, ctx, layout, stepping.loss_fn)
     # On CPU there is one device: the model itself; with several GPUs, nn.DataParallel over all of them.
     expected = torch.nn.DataParallel if torch.cuda.device_count() > 1 else type(_model(cfg))
     assert isinstance(par.model, expected)
     assert "prefer ddp (one process per GPU)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="one worker drives all GPUs of its node, but the run has 2 workers"):
-        strategies.resolve_layout(cfg.parallel, 2)
+        parallel.resolve_layout(cfg.parallel, 2)

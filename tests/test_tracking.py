@@ -80,7 +80,7 @@ def test_two_workers_one_killed_make_exactly_one_mlflow_run(ray_cluster, mlflow_
     from models import build_model
     from rayjobs import checkpoint as ckpt
     from rayjobs import data as data_lib
-    from rayjobs.parallel import WorkerContext
+    from rayjobs.context import WorkerContext
 
     version = c.get_latest_versions("digits-e2e")[0]
     assert version.run_id == run.info.run_id

@@ -114,7 +114,7 @@ def test_a_missing_optional_package_is_one_line_before_ray(monkeypatch):
 
 
 def test_progress_shows_elapsed_and_eta():
-    from rayjobs.loop import format_duration, progress_times
+    from rayjobs.telemetry import format_duration, progress_times
 
     assert [format_duration(s) for s in (4.4, 65, 3725)] == ["4s", "1m05s", "1h02m"]
     assert progress_times(30.0, 10, 20) == "elapsed 30s eta 1m00s"

@@ -14,51 +14,18 @@ endpoint and region may ride in its query (``s3://b/p?endpoint_override=host:por
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from rayjobs.errors import ExplainedFailure
-
-SCHEMES = ("s3", "gs", "gcs", "abfs", "abfss", "hdfs")
-# A checkpoint's directory and its commit marker; the same on a filesystem (rayjobs.checkpoint).
-CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8})$")
-MANIFEST = "manifest.json"
+from rayjobs.storage.format import CHECKPOINT_RE, MANIFEST, safe_member, sha256_file
 
 
 class StoreError(ExplainedFailure):
     """The object store cannot be reached, read or written; the message names the URI and the fix."""
-
-
-def is_uri(path: str) -> bool:
-    """True for a ``scheme://`` storage location rather than a filesystem path."""
-    return "://" in path
-
-
-def check_uri(uri: str) -> None:
-    """Raise ValueError naming what is wrong with a storage URI (no network access); never echoes a secret."""
-    parts = urlsplit(uri)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"object store URIs must start with {', '.join(s + '://' for s in SCHEMES)}, got {uri!r}")
-    if "@" in parts.netloc:
-        shown = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]).geturl()
-        raise ValueError(
-            "must not carry credentials (user:secret@): set them in the environment (AWS_ACCESS_KEY_ID, "
-            f"GOOGLE_APPLICATION_CREDENTIALS, ...) so they are never logged, got {shown!r}"
-        )
-    if not parts.netloc:
-        raise ValueError(f"names no bucket (write {parts.scheme}://BUCKET/PREFIX), got {uri!r}")
-
-
-def cache_dir_for(uri: str) -> str:
-    """The default node-local working directory for a storage URI: ``~/.cache/rayjobs/<scheme>/<bucket>/<prefix>``."""
-    parts = urlsplit(uri)
-    tail = re.sub(r"[^A-Za-z0-9._/-]", "_", f"{parts.netloc}/{parts.path.strip('/')}").strip("/")
-    return os.path.join(os.path.expanduser("~/.cache/rayjobs"), parts.scheme, tail)
 
 
 def open_filesystem(uri: str) -> tuple[Any, str]:
@@ -75,15 +42,6 @@ def open_filesystem(uri: str) -> tuple[Any, str]:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 class RunStore:
@@ -204,8 +162,6 @@ class RunStore:
         manifest = self.manifest(name)
         if manifest is None:
             return "no manifest in the bucket"
-        from rayjobs.checkpoint import safe_member
-
         files = manifest.get("files") if isinstance(manifest, dict) else None
         if not isinstance(files, dict):
             return "the bucket's manifest has no mapping of files"

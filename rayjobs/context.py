@@ -1,6 +1,6 @@
-"""Distribution applied from outside the model: the worker's place in the job, and DDP wrapping.
+"""The worker's place in the job: its rank, world size, device and data shard; small collectives.
 
-Models in ``models/`` know nothing of this module.
+Models in ``models/`` know nothing of this module. A leaf: imports nothing of rayjobs.
 """
 
 from __future__ import annotations
@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -21,7 +19,7 @@ class WorkerContext:
     world_size: int
     local_rank: int
     device: torch.device
-    # Set by rayjobs.strategies.apply: ranks that share a model replica (tensor or pipeline
+    # Set by rayjobs.parallel.place: ranks that share a model replica (tensor or pipeline
     # parallel) share a data shard, and one rank per replica counts its loss and accuracy.
     dp_rank: int | None = None
     dp_size: int | None = None
@@ -61,19 +59,6 @@ def current_context(use_gpu: bool) -> WorkerContext:
         return WorkerContext(ray_ctx.get_world_rank(), ray_ctx.get_world_size(), ray_ctx.get_local_rank(), device)
     except (ImportError, RuntimeError):
         return WorkerContext.from_process_group(torch.device("cuda") if use_gpu else None)
-
-
-def wrap_data_parallel(model: nn.Module, ctx: WorkerContext) -> nn.Module:
-    """DDP across the process group when there is more than one worker; the model itself otherwise."""
-    if ctx.world_size == 1 or not dist.is_initialized():
-        return model
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside any wrapper (DDP, DataParallel)."""
-    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
 
 
 def all_reduce_sum(values: list[float], ctx: WorkerContext) -> list[float]:

@@ -1,0 +1,62 @@
+"""What every benchmark module is built from: Figure, Benchmark, the registry, and the environment
+of a measured subprocess. A leaf of benchmarks/ (the harness imports the modules, they import this)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Figure:
+    """One measured figure: ``<benchmark>.<name>``, its value, and the goal it is held to."""
+
+    key: str
+    value: float
+    goal: str = ""  # e.g. "<= 1.02", ">= 0.85"; empty: informational
+    unit: str = ""
+    note: str = ""
+    ratio: bool = True  # a unitless ratio (drawn on the chart)
+
+    @property
+    def met(self) -> bool | None:
+        """Whether the value meets the goal (None when there is no goal)."""
+        if not self.goal:
+            return None
+        op, target = self.goal.split()
+        return self.value <= float(target) if op == "<=" else self.value >= float(target)
+
+
+@dataclass
+class Benchmark:
+    """A benchmark: what it runs, what it compares, and the function that measures it."""
+
+    name: str
+    workload: str
+    compares: str
+    run: Callable[[bool], list[Figure]]
+    needs: str = ""  # "cuda" for GPU-only benchmarks
+    figures: list[Figure] = field(default_factory=list)
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+
+
+def register(bench: Benchmark) -> Benchmark:
+    """Add a benchmark to the harness."""
+    BENCHMARKS[bench.name] = bench
+    return bench
+
+
+def subprocess_env(threads: int = 1) -> dict[str, str]:
+    """Environment for a launched workload: the repo importable, ``threads`` BLAS threads."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["OMP_NUM_THREADS"] = str(threads)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return env

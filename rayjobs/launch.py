@@ -1,0 +1,151 @@
+"""The scaling plan and ``ray.init``, shared by the train and tune drivers.
+
+``plan_scaling`` resolves ``auto`` into a ``ScalingPlan`` and checks it against the config (one
+line per problem, before Ray starts); ``init_ray`` connects to ``RAY_ADDRESS`` or starts a local
+Ray sized for the plan.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from rayjobs import log, parallel
+from rayjobs.config import RunConfig
+from rayjobs.errors import ConfigError
+from rayjobs.plan import ScalingPlan
+
+
+def existing_cluster() -> bool:
+    """True when this driver runs against a cluster (RAY_ADDRESS, or Ray already initialized)."""
+    ray = sys.modules.get("ray")  # never import Ray just to ask: bad input must not start it
+    return bool(os.environ.get("RAY_ADDRESS")) or bool(ray is not None and ray.is_initialized())
+
+
+def local_gpu_count() -> int:
+    """GPUs visible to this process (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def cluster_gpu_count() -> int:
+    """GPUs in the cluster this driver will use (the running cluster's, else this machine's)."""
+    if existing_cluster():
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        return int(ray.cluster_resources().get("GPU", 0))
+    return local_gpu_count()
+
+
+def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
+    """Resolve ``auto`` values and check the plan against the config; ConfigError when they clash."""
+    s = cfg.scaling
+    use_gpu = gpus_available > 0 if s.use_gpu == "auto" else bool(s.use_gpu)
+    max_workers = 0
+    if s.num_workers == "auto":
+        num_workers = gpus_available if use_gpu and gpus_available else 2
+    elif isinstance(s.num_workers, list):
+        num_workers, max_workers = s.num_workers
+    else:
+        num_workers = s.num_workers
+    plan = ScalingPlan(num_workers, use_gpu, dict(s.resources_per_worker) or {"CPU": 1.0}, max_workers)
+    problems = parallel.layout_problems(cfg, plan.world_size, use_gpu)
+    if max_workers:
+        problems += elastic_problems(cfg, num_workers, max_workers)
+    problems += _batch_problems(cfg, plan, layout_ok=not problems)
+    if cfg.training.precision == "fp16" and not use_gpu:
+        problems.append("training.precision: fp16 needs a GPU; use bf16 or fp32 on CPU, got 'fp16'")
+    if s.accelerator_type and not use_gpu:
+        problems.append(
+            f"scaling.accelerator_type={s.accelerator_type} pins GPU workers, but this run uses no GPU; "
+            "set scaling.use_gpu=true, or leave accelerator_type empty"
+        )
+    if use_gpu and s.use_gpu is True and gpus_available == 0 and not existing_cluster():
+        problems.append("scaling.use_gpu: true, but this machine has no GPU; set it to auto or false")
+    f = cfg.faults
+    for name, rank in (("faults.kill_rank", f.kill_rank), ("faults.nan_rank", f.nan_rank)):
+        if rank >= plan.world_size:
+            problems.append(f"{name}: must be a rank below the world size {plan.world_size}, got {rank}")
+    if problems:
+        raise ConfigError(problems)
+    return plan
+
+
+def _batch_problems(cfg: RunConfig, plan: ScalingPlan, layout_ok: bool) -> list[str]:
+    """The global batch must split evenly over the data-parallel replicas and the accumulation steps."""
+    replicas = parallel.resolve_layout(cfg.parallel, plan.world_size).dp if layout_ok else plan.world_size
+    parts = replicas * cfg.training.grad_accum
+    if cfg.training.batch_size % parts == 0:
+        return []
+    who = "workers" if replicas == plan.world_size else "data-parallel replicas"
+    return [
+        f"training.batch_size: must be a multiple of {who} ({replicas}) x grad_accum "
+        f"({cfg.training.grad_accum}) = {parts}, got {cfg.training.batch_size}"
+    ]
+
+
+def elastic_problems(cfg: RunConfig, low: int, high: int) -> list[str]:
+    """An elastic run changes its world size: only layouts that allow it, and a batch every size divides."""
+    problems = []
+    degrees = [k for k in parallel.DEGREES if getattr(cfg.parallel, k)]
+    if not parallel.strategy(cfg.parallel.strategy).elastic or degrees:
+        fixed = f"parallel.{degrees[0]} fixed" if degrees else f"parallel.strategy {cfg.parallel.strategy}"
+        problems.append(
+            f"scaling.num_workers=[{low}, {high}] (elastic) needs parallel.strategy "
+            f"{' or '.join(parallel.elastic_strategies())} with derived degrees, got {fixed}; "
+            "give a fixed number of workers for other layouts"
+        )
+    bad = [w for w in range(low, high + 1) if cfg.training.batch_size % (w * cfg.training.grad_accum)]
+    if bad:
+        problems.append(
+            f"training.batch_size: an elastic run keeps the global batch at every size from {low} to {high} "
+            f"workers, but {cfg.training.batch_size} does not divide over {bad[0]} x grad_accum "
+            f"{cfg.training.grad_accum}; pick a multiple of each"
+        )
+    if cfg.failure.max_failures == 0:
+        problems.append(
+            "failure.max_failures: an elastic run restarts its worker group when a node leaves; set it above 0 (or -1)"
+        )
+    return problems
+
+
+def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
+    """Connect to the cluster in RAY_ADDRESS, or start a local Ray sized for the plan.
+
+    A streamed dataset (Ray Data) needs CPUs beside the training workers for its read and
+    ``map_batches`` tasks: a local Ray gets one more; on a running cluster a warning says so.
+    """
+    import ray
+
+    cpus_needed = plan.num_workers * plan.cpus_per_worker
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        if not ray.is_initialized():
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
+        if streaming and cluster_cpus - cpus_needed < 1:
+            log.warn(
+                f"Ray Data reads on CPUs beside the training workers, and this cluster has {cluster_cpus:g} "
+                f"CPU(s) with {cpus_needed:g} taken by the workers: reading waits for an autoscaled node; "
+                "lower scaling.resources_per_worker.CPU (e.g. 0.5) to leave it one"
+            )
+        return
+    cpus_needed += 1 if streaming else 0
+    # The driver's directory on the workers' path, so a user's `pkg.module:callable` model imports.
+    path = os.pathsep.join(p for p in [os.getcwd(), os.environ.get("PYTHONPATH", "")] if p)
+    # Starting a worker group takes long on a loaded small machine (several trials at once):
+    # Ray's 60 s default turns that into restart loops.
+    os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    ray.init(
+        address="local",  # a new Ray of our own, even where a `ray start` cluster runs (RAY_ADDRESS picks that)
+        num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+        runtime_env={
+            "env_vars": {
+                "PYTHONPATH": path,
+                "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"],
+            }
+        },
+        log_to_driver=True,
+    )

@@ -1,0 +1,207 @@
+"""One optimizer step and one evaluation pass: the pieces of the loop that run on every rank.
+
+Plain functions over a model, its optimizer and a ``WorkerContext``: tested without Ray in
+multi-process gloo tests, and timed by the benchmarks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rayjobs import data as data_lib
+from rayjobs import parallel
+from rayjobs.config import RunConfig
+from rayjobs.context import WorkerContext, all_reduce_sum
+from rayjobs.parallel import pp
+
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (CPU and CUDA)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def micro_batch_size(global_batch: int, world_size: int, grad_accum: int) -> int:
+    """Samples per forward pass on one worker; the global batch must divide evenly."""
+    parts = world_size * grad_accum
+    if global_batch % parts:
+        raise ValueError(f"training.batch_size={global_batch} must be a multiple of workers x grad_accum = {parts}")
+    return global_batch // parts
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean cross-entropy over every prediction (a class per image, or a token per position)."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat = flat.float()  # the softmax of an autocast run in fp32
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
+def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """Mixed-precision autocast for bf16/fp16; nothing for fp32."""
+    dtype = PRECISION_DTYPES.get(cfg.training.precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced; ``finite`` is agreed across ranks."""
+
+    loss: float
+    grad_norm: float
+    finite: bool = True
+    bad_ranks: list[int] = field(default_factory=list)
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: Sequence[tuple[Tensor, Tensor]],
+    optimizer: torch.optim.Optimizer,
+    cfg: RunConfig,
+    ctx: WorkerContext,
+    scaler: torch.amp.GradScaler | None = None,
+    inject_nan: bool = False,
+    pipeline: pp.Pipeline | None = None,
+) -> StepResult:
+    """One optimizer step over ``grad_accum`` equal micro-batches.
+
+    Each micro-batch loss is a mean over its samples, divided by the number of micro-batches, so
+    the summed gradient equals the gradient of the mean loss over the whole local batch; DDP then
+    averages over ranks, giving exactly the gradient of one large global batch. Gradients are
+    all-reduced only on the last micro-batch (``no_sync`` before it). A non-finite loss on any
+    rank is agreed on by all ranks (an all-reduce of the flags); the step is then not taken. The
+    loss returned is the mean over the data-parallel replicas. With a pipeline, the micro-batches
+    form one batch that the schedule splits into ``parallel.microbatches`` itself.
+    """
+    model.train()
+    scaling = scaler is not None and scaler.is_enabled()
+    if pipeline is not None:
+        total = pp.forward_backward(micro_batches, pipeline, ctx)
+    else:
+        total = 0.0
+        accum = len(micro_batches)
+        for i, (x, y) in enumerate(micro_batches):
+            x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
+            with gradient_sync(model, i == accum - 1), autocast(cfg, ctx.device):
+                loss = loss_fn(model(x), y) / accum
+                if inject_nan and i == accum - 1:
+                    loss = loss * float("nan")
+            (scaler.scale(loss) if scaling else loss).backward()
+            total += loss.item()
+    total, bad_ranks = agree_on_loss(total, ctx)
+    if bad_ranks:
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(total, float("nan"), finite=False, bad_ranks=bad_ranks)
+    if scaling:
+        scaler.unscale_(optimizer)
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = parallel.clip_grad_norm(model, clip, pipeline)
+    if scaling:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(total, grad_norm)
+
+
+def gradient_sync(model: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Reduce gradients only on the last micro-batch: DDP's ``no_sync``, FSDP2's gradient-sync switch."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync or not hasattr(model, "no_sync") else model.no_sync()
+
+
+def agree_on_loss(local: float, ctx: WorkerContext) -> tuple[float, list[int]]:
+    """(mean loss over the replicas, ranks whose loss was not finite): one all-reduce, known to every rank."""
+    finite = math.isfinite(local)
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return local, [] if finite else [ctx.rank]
+    buf = torch.zeros(ctx.world_size + 1, dtype=torch.float64, device=ctx.device)
+    buf[ctx.rank] = 0.0 if finite else 1.0
+    buf[-1] = local if finite and ctx.counts_metrics else 0.0
+    dist.all_reduce(buf)
+    values = buf.tolist()
+    bad = [r for r, f in enumerate(values[:-1]) if f > 0]
+    return (float("nan") if bad else values[-1] / ctx.data_shard[1]), bad
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    dataset: Any,
+    cfg: RunConfig,
+    ctx: WorkerContext,
+    prefix: str,
+    pipeline: pp.Pipeline | None = None,
+) -> dict[str, float]:
+    """Loss and accuracy over ``dataset``: each replica takes a strided share, one rank per replica
+    counts it, and the sums are all-reduced."""
+    model.eval()
+    loss_sum, correct, count = 0.0, 0.0, 0.0
+    shard, shards = ctx.data_shard
+    # A pipeline's stages were shaped for the training batch: evaluate in batches of that size.
+    batch = cfg.training.batch_size // shards if pipeline else max(64, cfg.training.batch_size)
+    for x, y in data_lib.eval_batches(dataset, shard, shards, batch):
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        if pipeline is not None:
+            logits = pp.forward(x, y, batch, pipeline)
+        else:
+            with autocast(cfg, ctx.device):
+                logits = model(x)
+        if logits is None or not ctx.counts_metrics:
+            continue
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        loss_sum += F.cross_entropy(flat, y.reshape(-1), reduction="sum").item()
+        correct += (flat.argmax(-1) == y.reshape(-1)).sum().item()
+        count += y.numel()
+    loss_sum, correct, count = all_reduce_sum([loss_sum, correct, count], ctx)
+    model.train()
+    return {f"{prefix}/loss": loss_sum / max(count, 1), f"{prefix}/accuracy": correct / max(count, 1)}
+
+
+def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD over the model's parameters, from ``cfg.optim``."""
+    o = cfg.optim
+    if o.name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+
+
+def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:
+    """Multiplier of the peak LR at ``step``: linear warmup, then constant, cosine or linear decay."""
+    warmup = cfg.optim.warmup_steps
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if cfg.optim.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    if cfg.optim.schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: RunConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LR schedule of ``cfg.optim`` over ``total_steps`` optimizer steps."""
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg, total_steps))
+    scheduler.total_steps = total_steps  # type: ignore[attr-defined]
+    return scheduler
