@@ -15,6 +15,7 @@ Nothing here unpickles code: tensors load with ``weights_only=True`` and the res
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -37,8 +38,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from rayjobs.context import WorkerContext
 from rayjobs.log import log
-from rayjobs.storage.format import CHECKPOINT_RE, MANIFEST, name_for, safe_member, sha256_file
+from rayjobs.storage.store import LocalStore, Store
 
+# The format: a checkpoint is a directory ``checkpoint_<step:08d>``; its manifest (every file's
+# sha256 and size) is written last and is its commit marker, on a filesystem and in a bucket.
+CHECKPOINT_RE = re.compile(r"^checkpoint_(\d{8})$")
+MANIFEST = "manifest.json"
 STATE = "state.json"
 # Which rank wrote a file of a checkpoint: DCP names its shards ``__<rank>_<n>.distcp``; the RNG
 # states are ``rank_<rank>.pt``; the rest (``.metadata``, ``state.json``) is rank 0's.
@@ -80,6 +85,11 @@ class CheckpointInfo:
     problem: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
     world_size: int | None = None
+
+    @property
+    def name(self) -> str:
+        """The checkpoint's directory name (``checkpoint_<step>``)."""
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
 
 
 def _distributed(ctx: WorkerContext) -> bool:
@@ -139,6 +149,105 @@ def set_rng_state(state: dict[str, Any]) -> None:
 # Inspection: is a checkpoint complete, which is the newest complete one.
 
 
+def name_for(step: int) -> str:
+    """The directory name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"checkpoint_{step:08d}"
+
+
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes, read in 8 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(8 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def safe_member(name: Any) -> bool:
+    """Whether a file name from a manifest stays inside its checkpoint directory (a plain file name)."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
+
+
+def as_store(where: str | os.PathLike[str] | Store) -> Store:
+    """A run's directory as a Store: a path becomes a LocalStore; a store stays itself."""
+    return where if hasattr(where, "dirs") else LocalStore(where)  # type: ignore[return-value]
+
+
+def checkpoint_names(store: Store) -> list[str]:
+    """Names of a run's checkpoint directories, oldest first."""
+    return [n for n in store.dirs() if CHECKPOINT_RE.match(n)]
+
+
+def read_manifest(store: Store, name: str) -> dict[str, Any] | None:
+    """A checkpoint's manifest, or None when it has none (incomplete) or it is not JSON."""
+    raw = store.read_bytes(f"{name}/{MANIFEST}")
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def problem(store: Store, name: str) -> str:
+    """What is wrong with a checkpoint ('' when complete): on a filesystem every sha256 is checked
+    (``verify``); in a bucket the manifest, every file and its size (the sha256s when it is fetched)."""
+    local = store.local_path(name)
+    if local is not None:
+        return verify(local)
+    manifest = read_manifest(store, name)
+    if manifest is None:
+        return "no manifest in the bucket (the upload did not finish)"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
+        return "the bucket's manifest is not a mapping of files"
+    sizes = manifest.get("sizes", {}) if isinstance(manifest.get("sizes", {}), dict) else {}
+    present = store.files(name)
+    for file in manifest.get("files", {}):
+        if file not in present:
+            return f"missing file {file} in the bucket"
+        if file in sizes and present[file] != sizes[file]:
+            return f"size mismatch in {file} in the bucket"
+    return ""
+
+
+def delete_checkpoint(store: Store, name: str) -> None:
+    """Remove one checkpoint: its manifest first, so no reader ever sees it half gone but complete."""
+    store.remove(f"{name}/{MANIFEST}")
+    store.delete_dir(name)
+
+
+def fetch(store: Store, name: str, local: Path) -> str:
+    """Copy a checkpoint into ``local`` (files already there with the right sha256 are kept).
+
+    Returns '' when the local copy matches the store's manifest, else what is wrong with it.
+    """
+    manifest = read_manifest(store, name)
+    if manifest is None:
+        return "no manifest in the bucket"
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "the bucket's manifest has no mapping of files"
+    outside = [f for f in files if not safe_member(f)]
+    if outside:  # a name like ../../x would be written outside the local copy
+        return f"the bucket's manifest names a file outside the checkpoint: {outside[0]!r}"
+    local.mkdir(parents=True, exist_ok=True)
+    for file, digest in files.items():
+        target = local / file
+        if target.is_file() and sha256_file(target) == digest:
+            continue
+        store.download(f"{name}/{file}", target)
+        if sha256_file(target) != digest:
+            return f"sha256 mismatch in {file} (downloaded from {store.url(name, file)})"
+    (local / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return ""
+
+
 def verify(path: str | Path) -> str:
     """The problem with a checkpoint directory, or '' when it is complete and intact."""
     p = Path(path)
@@ -162,20 +271,15 @@ def verify(path: str | Path) -> str:
     return ""
 
 
-def list_checkpoints(run_dir: str | Path, check: bool = True) -> list[CheckpointInfo]:
-    """Every checkpoint directory of a run, oldest first, with its completeness."""
-    root = Path(run_dir)
-    if not root.is_dir():
-        return []
+def list_checkpoints(where: str | os.PathLike[str] | Store, check: bool = True) -> list[CheckpointInfo]:
+    """Every checkpoint of a run (a directory or a Store), oldest first, with its completeness
+    (``check=False``: not verified, each counted complete)."""
+    store = as_store(where)
     out = []
-    for child in sorted(root.iterdir()):
-        m = CHECKPOINT_RE.match(child.name)
-        if not m or not child.is_dir():
-            continue
-        problem = verify(child) if check else ""
-        info = CheckpointInfo(str(child), int(m.group(1)), complete=not problem, problem=problem)
-        state_file = child / STATE
-        _add_state(info, state_file.read_bytes() if state_file.is_file() else None)
+    for name in checkpoint_names(store):
+        trouble = problem(store, name) if check else ""
+        info = CheckpointInfo(store.url(name), int(CHECKPOINT_RE.match(name).group(1)), not trouble, trouble)
+        _add_state(info, store.read_bytes(f"{name}/{STATE}"))
         out.append(info)
     return out
 
@@ -194,15 +298,9 @@ def _add_state(info: CheckpointInfo, raw: bytes | None) -> None:
     info.world_size = state.get("world_size")
 
 
-def list_bucket_checkpoints(store: Any) -> list[CheckpointInfo]:
-    """Every checkpoint of a run in an object store (``storage.RunStore``), oldest first."""
-    out = []
-    for name in store.checkpoint_names():
-        problem = store.problem(name)
-        info = CheckpointInfo(store.url(name), int(CHECKPOINT_RE.match(name).group(1)), not problem, problem)
-        _add_state(info, store.read_bytes(f"{name}/{STATE}"))
-        out.append(info)
-    return out
+def list_bucket_checkpoints(store: Store) -> list[CheckpointInfo]:
+    """Every checkpoint of a run in an object store, oldest first (``list_checkpoints`` of the store)."""
+    return list_checkpoints(store)
 
 
 def latest_complete(run_dir: str | Path, warn: bool = True) -> CheckpointInfo | None:
@@ -228,38 +326,18 @@ def reconcile_ray_snapshot(run_dir: str | Path, store: Any = None) -> list[str]:
     cannot be read is removed: rayjobs resumes from its own manifests, never from Ray's list.
     Returns the checkpoint names dropped (``["*"]`` when the whole snapshot went).
     """
-    if store is not None:
-        raw = store.read_bytes(RAY_SNAPSHOT)
-        present = set(store.checkpoint_names())
-
-        def write(text: str) -> None:
-            store.write_bytes(RAY_SNAPSHOT, text.encode())
-
-        def remove() -> None:
-            store.fs.delete_file(store.path(RAY_SNAPSHOT))
-    else:
-        path = Path(run_dir) / RAY_SNAPSHOT
-        raw = path.read_bytes() if path.is_file() else None
-        present = {p.name for p in Path(run_dir).iterdir() if p.is_dir()} if raw is not None else set()
-
-        def write(text: str) -> None:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(text)
-            os.replace(tmp, path)  # atomic
-
-        def remove() -> None:
-            path.unlink()
-
+    store = store if store is not None else LocalStore(run_dir)
+    raw = store.read_bytes(RAY_SNAPSHOT)
     if raw is None:
         return []
     try:
         state = json.loads(raw)
-        gone = _drop_from_snapshot(state, present)
+        gone = _drop_from_snapshot(state, set(store.dirs()))
     except (ValueError, KeyError, TypeError, AttributeError):
-        remove()
+        store.remove(RAY_SNAPSHOT)
         return ["*"]
     if gone:
-        write(json.dumps(state))
+        store.write_bytes(RAY_SNAPSHOT, json.dumps(state).encode())  # atomic
     return gone
 
 
@@ -421,7 +499,7 @@ class Saver:
             try:
                 self._write_manifest(path, train_state)
                 if self.store is None:
-                    self._prune()
+                    self._prune(LocalStore(self.run_dir))
             except OSError as exc:
                 failed = f"{type(exc).__name__}: {exc}"
         if _any_rank(bool(failed), self.ctx):
@@ -434,7 +512,7 @@ class Saver:
             if future.exception() is None:
                 self._write_manifest(path, train_state)
                 if self.store is None:
-                    self._prune()
+                    self._prune(LocalStore(self.run_dir))
         except OSError as exc:
             self._pending_error = exc
         finally:
@@ -466,12 +544,16 @@ class Saver:
             keep |= {n for n, _ in scored[: self.keep_best]}
         return keep
 
-    def _prune(self) -> None:
-        complete = [c for c in list_checkpoints(self.run_dir, check=False) if (Path(c.path) / MANIFEST).is_file()]
-        keep = self._keep([(c.path, c.metrics) for c in complete])
-        for c in complete:
-            if c.path not in keep and os.path.abspath(c.path) != self.protect:
-                shutil.rmtree(c.path, ignore_errors=True)
+    def _prune(self, store: Store) -> set[str]:
+        """Delete the committed checkpoints keep_last/keep_best drop (never the resume source); the names kept."""
+        committed = [
+            c for c in list_checkpoints(store, check=False) if store.read_bytes(f"{c.name}/{MANIFEST}") is not None
+        ]
+        keep = self._keep([(c.name, c.metrics) for c in committed])
+        for c in committed:
+            if c.name not in keep and os.path.abspath(c.path) != self.protect:
+                delete_checkpoint(store, c.name)
+        return keep
 
     def _publish(self, path: Path, step: int) -> None:
         """Upload a committed checkpoint to the object store (every rank its own files), then its manifest.
@@ -513,7 +595,7 @@ class Saver:
             try:
                 manifest = {"step": step, "files": dict(sorted(files.items())), "sizes": dict(sorted(sizes.items()))}
                 self.store.write_bytes(f"{path.name}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
-                kept = [sorted(self._prune_store())]
+                kept = [sorted(self._prune(self.store))]
             except StoreError as exc:
                 failed = str(exc)
         if _any_rank(bool(failed), self.ctx):
@@ -524,20 +606,6 @@ class Saver:
             for child in self.run_dir.iterdir():
                 if CHECKPOINT_RE.match(child.name) and child.name not in kept[0]:
                     shutil.rmtree(child, ignore_errors=True)
-
-    def _prune_store(self) -> set[str]:
-        """Delete the bucket's complete checkpoints that keep_last/keep_best drop; return the names kept."""
-        complete = []
-        for name in self.store.checkpoint_names():
-            if self.store.manifest(name) is None:
-                continue
-            state = json.loads(self.store.read_bytes(f"{name}/{STATE}") or b"{}")
-            complete.append((name, state.get("train", {}).get("metrics", {})))
-        keep = self._keep(complete)
-        for name, _ in complete:
-            if name not in keep:
-                self.store.delete(name)
-        return keep
 
     def _fail(self, step: int, path: Path | str, reason: str) -> None:
         previous = latest_complete(self.run_dir, warn=False)
@@ -594,11 +662,11 @@ def fetch_latest(store: Any, run_dir: str | Path, ctx: WorkerContext) -> str | N
     if ctx.is_main:
         try:
             names, skipped = [], []
-            for name in reversed(store.checkpoint_names()):
-                problem = store.problem(name)
-                (skipped.append((name, problem)) if problem else names.append(name))
-            for name, problem in skipped:
-                log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
+            for name in reversed(checkpoint_names(store)):
+                trouble = problem(store, name)
+                (skipped.append((name, trouble)) if trouble else names.append(name))
+            for name, trouble in skipped:
+                log(f"warning: skipping checkpoint {store.url(name)}: {trouble}")
             candidates = [names]
         except Exception as exc:  # noqa: BLE001 - StoreError names the URI
             failed = str(exc)
@@ -608,18 +676,18 @@ def fetch_latest(store: Any, run_dir: str | Path, ctx: WorkerContext) -> str | N
         dist.broadcast_object_list(candidates, src=0)
     for name in candidates[0]:
         local = Path(run_dir) / name
-        problem = error = ""
+        trouble = error = ""
         if ctx.local_rank == 0:
             try:
-                problem = store.fetch(name, local) or verify(local)
+                trouble = fetch(store, name, local) or verify(local)
             except Exception as exc:  # noqa: BLE001 - an unreachable bucket stops the run: no silent restart from 0
                 error = str(exc)
         if _any_rank(bool(error), ctx):
             raise CheckpointError(error or f"another node could not download {store.url(name)}")
-        if not _any_rank(bool(problem), ctx):
+        if not _any_rank(bool(trouble), ctx):
             return str(local)
-        if problem:
-            log(f"warning: skipping checkpoint {store.url(name)}: {problem}")
+        if trouble:
+            log(f"warning: skipping checkpoint {store.url(name)}: {trouble}")
     return None
 
 
@@ -660,12 +728,17 @@ def load(
     return state
 
 
-def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "") -> dict[str, Any]:
-    """Write a checkpoint's model weights as a plain state dict (``.pt``) or safetensors file.
+def load_for_inference(
+    checkpoint: str | Path, trust_model: str = "", cfg: Any = None, info: Any = None
+) -> tuple[nn.Module, Any]:
+    """(the model of a checkpoint on CPU in eval mode, its RunConfig): what export, MLflow model logging
+    and evaluation load.
 
-    The model is rebuilt from the checkpoint's ``state.json``: a registry model, or a
-    ``module:callable`` only when the caller names that same callable in ``trust_model`` (whoever
-    wrote the checkpoint chose what it names; building it runs that code).
+    The model is rebuilt from the checkpoint's ``state.json`` (or ``cfg``, a config the caller
+    trusts: the run that wrote it): a registry model, or a ``module:callable`` only when the caller
+    names that same callable in ``trust_model`` (whoever wrote the checkpoint chose what it names;
+    building it runs that code). ``info`` sizes the model when the data's own description is known
+    better by the caller (a streamed source); else it comes from the config's dataset.
     """
     from models import build_model
     from models.registry import is_import_path
@@ -676,20 +749,27 @@ def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "
     problem = verify(p)
     if problem:
         raise CheckpointError(f"checkpoint {p} is not usable: {problem}")
-    raw = saved_config(p)
-    named = str((raw.get("model") or {}).get("name", ""))
-    if is_import_path(named) and named != trust_model:
-        raise CheckpointError(
-            f"checkpoint {p} names the model {named!r}, a callable that rebuilding it would run; "
-            f"rayjobs runs no code a checkpoint names: if you trust it, pass --trust-model {named}"
-        )
-    cfg = from_dict(raw)
-    model = build_model(
-        cfg.model.name, cfg.model.flavor, cfg.model.kwargs, data_lib.data_info(cfg.data.name, cfg.data.kwargs)
-    )
+    if cfg is None:
+        raw = saved_config(p)
+        named = str((raw.get("model") or {}).get("name", ""))
+        if is_import_path(named) and named != trust_model:
+            raise CheckpointError(
+                f"checkpoint {p} names the model {named!r}, a callable that rebuilding it would run; "
+                f"rayjobs runs no code a checkpoint names: if you trust it, pass --trust-model {named}"
+            )
+        cfg = from_dict(raw)
+    info = info or data_lib.data_info(cfg.data.name, cfg.data.kwargs)
+    model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, info)
     sd = {"model": model.state_dict()}
-    dcp.load(sd, checkpoint_id=str(p), no_dist=True)
-    weights = {k: v.detach().contiguous() for k, v in sd["model"].items()}
+    dcp.load(sd, checkpoint_id=str(p), no_dist=True)  # in place: into the model's own tensors
+    return model.eval(), cfg
+
+
+def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "") -> dict[str, Any]:
+    """Write a checkpoint's model weights as a plain state dict (``.pt``) or safetensors file
+    (the model as ``load_for_inference`` rebuilds it)."""
+    model, cfg = load_for_inference(checkpoint, trust_model)
+    weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":

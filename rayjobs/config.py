@@ -194,6 +194,7 @@ class ScalingSection(Section):
         return v
 
 
+# The names parallel.strategy accepts: each is a row of rayjobs.parallel.layout.STRATEGIES (a test checks).
 STRATEGIES = ("ddp", "fsdp", "hsdp", "tp", "pp", "fsdp+tp", "pp+dp", "dataparallel")
 
 
@@ -203,7 +204,7 @@ class ParallelSection(Section):
     Degrees left at 0 are derived from ``strategy`` and the world size; their product is the world size.
     """
 
-    strategy: Literal["ddp", "fsdp", "hsdp", "tp", "pp", "fsdp+tp", "pp+dp", "dataparallel"] = Field(
+    strategy: Literal[STRATEGIES] = Field(  # type: ignore[valid-type]
         "ddp",
         description=(
             "ddp | fsdp (FSDP2) | hsdp (2-D: replicate x shard) | tp | pp | fsdp+tp | pp+dp | dataparallel "

@@ -126,7 +126,7 @@ def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
         if streaming and cluster_cpus - cpus_needed < 1:
-            log.warn(
+            log.alert(
                 f"Ray Data reads on CPUs beside the training workers, and this cluster has {cluster_cpus:g} "
                 f"CPU(s) with {cpus_needed:g} taken by the workers: reading waits for an autoscaled node; "
                 "lower scaling.resources_per_worker.CPU (e.g. 0.5) to leave it one"

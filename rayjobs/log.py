@@ -21,6 +21,11 @@ def warn(message: str) -> None:
     log(f"warning: {message}")
 
 
+def alert(message: str) -> None:
+    """A driver's warning that must not drown in progress lines: ``rayjobs: warning: message`` on stderr."""
+    print(f"rayjobs: warning: {message}", file=sys.stderr, flush=True)
+
+
 def note(message: str) -> None:
     """One line of the driver's own: ``rayjobs: message`` on stdout, flushed."""
     print(f"rayjobs: {message}", flush=True)

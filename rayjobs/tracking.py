@@ -446,16 +446,12 @@ def log_model(tracker: Tracker, run_id: str, checkpoint: str) -> None:
     import torch
     from mlflow.models import infer_signature
 
-    from models import build_model
     from rayjobs import data as data_lib
-    from rayjobs.checkpoint import load
-    from rayjobs.context import WorkerContext
+    from rayjobs.checkpoint import load_for_inference
 
     cfg = tracker.cfg
     info, example = data_lib.example_inputs(cfg.data.name, cfg.data.kwargs)
-    model = build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, info)
-    load(checkpoint, model, None, WorkerContext(0, 1, 0, torch.device("cpu")))
-    model.eval()
+    model, _ = load_for_inference(checkpoint, cfg=cfg, info=info)
     with torch.no_grad():
         output = model(example)
     signature = infer_signature(example.numpy(), output.numpy())

@@ -265,7 +265,9 @@ def fetch_final(store: Any, run_dir: str, reported: str) -> tuple[str, str]:
     """(its URL, a local copy) of the final checkpoint Ray reported in the bucket: the driver logs the local copy."""
     name = os.path.basename(reported.rstrip("/"))
     local = os.path.join(run_dir, name)
-    problem = store.fetch(name, Path(local))
+    from rayjobs.checkpoint import fetch
+
+    problem = fetch(store, name, Path(local))
     if problem:
         raise TrainingFailed(f"the final checkpoint {store.url(name)} does not match its manifest: {problem}")
     return store.url(name), local

@@ -1,4 +1,10 @@
-"""Shared fixtures: environment restored after each test, process groups torn down, one Ray per module."""
+"""Shared fixtures: environment restored after each test, process groups torn down, one Ray per session.
+
+Tests live in tiers by folder (each test is marked with its tier): ``unit`` (no processes but the
+CLI's), ``dist`` (multi-process gloo, local mode, real MLflow and S3 servers), ``ray`` (a local Ray
+cluster, ``ray start --head``, ``ray job submit``), ``cluster`` (the autoscaling cluster), and
+``test_readme.py`` (every README command as written).
+"""
 
 from __future__ import annotations
 
@@ -31,11 +37,35 @@ def _no_leftover_process_group():
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
+TIERS = ("unit", "dist", "ray", "cluster")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier (the folder it lives in): ``-m unit``, ``-m "unit or dist"``, ..."""
+    for item in items:
+        tier = Path(str(item.fspath)).parent.name
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+# The credentials a cluster's processes get from the environment they were started in (a node's role).
+_NODE_ENV_PREFIXES = ("AWS_", "GOOGLE_", "AZURE_")
+_shared_ray: dict[str, object] = {"env": None}
+
+
+def _node_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(_NODE_ENV_PREFIXES)}
+
+
+@pytest.fixture
 def ray_cluster():
-    """One local Ray (2 CPUs) shared by every test in a module; shut down after it."""
+    """One local Ray (2 CPUs) shared by the whole session: started on first use, and again only when a
+    test shut it down (its own Ray) or the node environment (bucket credentials) changed."""
     import ray
 
+    if ray.is_initialized() and _shared_ray["env"] == _node_env():
+        yield ray
+        return
     if ray.is_initialized():
         ray.shutdown()
     ray.init(
@@ -45,8 +75,18 @@ def ray_cluster():
         log_to_driver=True,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}},
     )
+    _shared_ray["env"] = _node_env()
     yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shut_down_the_shared_ray():
+    yield
+    import sys as _sys
+
+    ray = _sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def free_port() -> int:
@@ -54,6 +94,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# Runs the CLI, then reports on stdout whether `ray` was ever imported (no import: no Ray process).
+CLI_PROBE = (
+    "import sys, atexit\n"
+    "atexit.register(lambda: print('RAY_IMPORTED=' + str('ray' in sys.modules)))\n"
+    "from rayjobs.cli import main\n"
+    "main(sys.argv[1:])\n"
+)
+
+
+def run_cli(*args: str, timeout: float = 60):
+    """``rayjobs ARGS`` in a subprocess from the repo; its stdout ends with ``RAY_IMPORTED=True|False``."""
+    import subprocess
+
+    return subprocess.run(
+        [sys.executable, "-c", CLI_PROBE, *args],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -37,13 +37,13 @@ NOT_RUN = {
     "about 6 minutes here; the quick form below runs the same config and code",
     "rayjobs train --config gpt-fsdp": "gpt small under FSDP2 is the GPU form (one worker per GPU); "
     "the gpt-fsdp-tp line after it is the CPU form and runs",
-    "rayjobs train --config gpt-fsdp --set scaling.num_workers=4": "4 GPUs; on CPU tests/test_strategies.py "
+    "rayjobs train --config gpt-fsdp --set scaling.num_workers=4": "4 GPUs; on CPU tests/dist/test_strategies.py "
     "trains the shipped FSDP configs in their debug form",
     "RAY_ADDRESS=127.0.0.1:6379 rayjobs doctor --set run.storage_path=/mnt/shared/results "
     "--set tracking.uri=http://mlflow:5000": "needs /mnt/shared and an MLflow host named mlflow; "
     "the local-cluster block runs `rayjobs doctor`",
     "rayjobs train --set run.storage_path=s3://my-bucket/runs --set tracking.uri=http://MLFLOW-HOST:5000": "a real "
-    "bucket and MLflow host (no network here); tests/test_object_store.py runs it against a local S3 server",
+    "bucket and MLflow host (no network here); tests/dist/test_object_store.py runs it against a local S3 server",
 }
 
 # Servers: started in the background, probed, then stopped (Ctrl-C) before the next command.

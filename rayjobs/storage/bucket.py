@@ -1,4 +1,5 @@
-"""A run's checkpoints in an object store (``s3://``, ``gs://``, ``abfs://``, ``hdfs://``) through pyarrow.
+"""A run's directory in an object store (``s3://``, ``gs://``, ``abfs://``, ``hdfs://``) through pyarrow:
+the Store protocol (``rayjobs.storage.store``) on a bucket.
 
 When ``run.storage_path`` is such a URI, every node works in a node-local directory
 (``run.local_dir``: logs, the MLflow spool, a cache of checkpoints) and the bucket holds what must
@@ -14,14 +15,12 @@ endpoint and region may ride in its query (``s3://b/p?endpoint_override=host:por
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from rayjobs.errors import ExplainedFailure
-from rayjobs.storage.format import CHECKPOINT_RE, MANIFEST, safe_member, sha256_file
 
 
 class StoreError(ExplainedFailure):
@@ -45,7 +44,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 class RunStore:
-    """One run's directory in an object store: ``<storage URI>/<run name>``."""
+    """One run's directory in an object store: ``<storage URI>/<run name>`` (a ``Store``)."""
 
     def __init__(self, uri: str, run_name: str) -> None:
         self.uri = uri
@@ -69,7 +68,7 @@ class RunStore:
 
     def check(self) -> None:
         """Reach the bucket once (list the run's directory): StoreError in one line when it cannot."""
-        self.checkpoint_names()
+        self.dirs()
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write one object (whole)."""
@@ -100,88 +99,52 @@ class RunStore:
         except Exception as exc:  # noqa: BLE001
             raise self._wrap("upload to", rel, exc) from None
 
-    def delete(self, name: str) -> None:
-        """Remove one checkpoint directory (its manifest first, so no reader sees it half gone as complete)."""
+    def download(self, rel: str, local: Path) -> None:
+        """Copy ``rel`` to a local file (through ``<local>.part`` and a rename)."""
+        tmp = local.with_name(f".{local.name}.part")
+        try:
+            with self.fs.open_input_stream(self.path(rel)) as src, open(tmp, "wb") as dst:
+                for chunk in iter(lambda: src.read(8 << 20), b""):
+                    dst.write(chunk)
+        except Exception as exc:  # noqa: BLE001
+            raise self._wrap("download", rel, exc) from None
+        os.replace(tmp, local)
+
+    def local_path(self, rel: str) -> Path | None:
+        """None: a bucket is remote."""
+        return None
+
+    def dirs(self) -> list[str]:
+        """Directory names in the run's directory, sorted."""
+        return sorted(self._listing("", want_dirs=True))
+
+    def files(self, rel: str) -> dict[str, int]:
+        """Plain files of ``rel`` with their sizes."""
+        return self._listing(rel, want_dirs=False)
+
+    def _listing(self, rel: str, want_dirs: bool) -> dict[str, int]:
         import pyarrow.fs as pafs
 
         try:
-            if self.fs.get_file_info(self.path(name, MANIFEST)).type == pafs.FileType.File:
-                self.fs.delete_file(self.path(name, MANIFEST))
-            self.fs.delete_dir(self.path(name))
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path(rel) if rel else self.root, allow_not_found=True))
         except Exception as exc:  # noqa: BLE001
-            raise self._wrap("delete", name, exc) from None
+            raise self._wrap("list", rel, exc) from None
+        kind = pafs.FileType.Directory if want_dirs else pafs.FileType.File
+        return {i.base_name: i.size for i in infos if i.type == kind}
 
-    def checkpoint_names(self) -> list[str]:
-        """Names of the checkpoint directories in the bucket, oldest first."""
+    def remove(self, rel: str) -> None:
+        """Delete one object if it is there."""
         import pyarrow.fs as pafs
 
         try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
+            if self.fs.get_file_info(self.path(rel)).type == pafs.FileType.File:
+                self.fs.delete_file(self.path(rel))
         except Exception as exc:  # noqa: BLE001
-            raise self._wrap("list", "", exc) from None
-        names = [i.base_name for i in infos if i.type == pafs.FileType.Directory and CHECKPOINT_RE.match(i.base_name)]
-        return sorted(names)
+            raise self._wrap("delete", rel, exc) from None
 
-    def manifest(self, name: str) -> dict[str, Any] | None:
-        """A checkpoint's manifest from the bucket, or None when it has none (incomplete)."""
-        raw = self.read_bytes(f"{name}/{MANIFEST}")
-        if raw is None:
-            return None
+    def delete_dir(self, rel: str) -> None:
+        """Delete a directory and its objects."""
         try:
-            return json.loads(raw)
-        except ValueError:
-            return None
-
-    def problem(self, name: str) -> str:
-        """What is wrong with a checkpoint in the bucket ('' when its manifest and every file are there, sizes matching)."""
-        import pyarrow.fs as pafs
-
-        manifest = self.manifest(name)
-        if manifest is None:
-            return "no manifest in the bucket (the upload did not finish)"
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("files", {}), dict):
-            return "the bucket's manifest is not a mapping of files"
-        sizes = manifest.get("sizes", {}) if isinstance(manifest.get("sizes", {}), dict) else {}
-        try:
-            infos = self.fs.get_file_info(pafs.FileSelector(self.path(name)))
+            self.fs.delete_dir(self.path(rel))
         except Exception as exc:  # noqa: BLE001
-            raise self._wrap("list", name, exc) from None
-        present = {i.base_name: i.size for i in infos if i.type == pafs.FileType.File}
-        for file in manifest.get("files", {}):
-            if file not in present:
-                return f"missing file {file} in the bucket"
-            if file in sizes and present[file] != sizes[file]:
-                return f"size mismatch in {file} in the bucket"
-        return ""
-
-    def fetch(self, name: str, local: Path) -> str:
-        """Download a checkpoint into ``local`` (files already there with the right sha256 are kept).
-
-        Returns '' when the local copy matches the bucket's manifest, else what is wrong with it.
-        """
-        manifest = self.manifest(name)
-        if manifest is None:
-            return "no manifest in the bucket"
-        files = manifest.get("files") if isinstance(manifest, dict) else None
-        if not isinstance(files, dict):
-            return "the bucket's manifest has no mapping of files"
-        outside = [f for f in files if not safe_member(f)]
-        if outside:  # a name like ../../x would be written outside the local copy
-            return f"the bucket's manifest names a file outside the checkpoint: {outside[0]!r}"
-        local.mkdir(parents=True, exist_ok=True)
-        for file, digest in files.items():
-            target = local / file
-            if target.is_file() and sha256_file(target) == digest:
-                continue
-            tmp = local / f".{file}.part"
-            try:
-                with self.fs.open_input_stream(self.path(name, file)) as src, open(tmp, "wb") as dst:
-                    for chunk in iter(lambda: src.read(8 << 20), b""):
-                        dst.write(chunk)
-            except Exception as exc:  # noqa: BLE001
-                raise self._wrap("download", f"{name}/{file}", exc) from None
-            os.replace(tmp, target)
-            if sha256_file(target) != digest:
-                return f"sha256 mismatch in {file} (downloaded from {self.url(name, file)})"
-        (local / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        return ""
+            raise self._wrap("delete", rel, exc) from None

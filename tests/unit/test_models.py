@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO
 
 from models import DataInfo, build_model, flops_per_sample, get_spec, model_names
 from models.registry import count_flops_per_sample
@@ -66,7 +66,7 @@ def test_user_model_by_import_path():
 
 
 def test_models_import_nothing_from_torch_distributed():
-    for path in Path(__file__).resolve().parents[1].joinpath("models").glob("*.py"):
+    for path in REPO.joinpath("models").glob("*.py"):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = []

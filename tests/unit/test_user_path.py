@@ -9,8 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import REPO
-from test_cli import run_cli
+from conftest import REPO, run_cli
 
 from rayjobs import paths, preflight
 from rayjobs.config import CONFIG_DIR, describe_fields, load_config, shipped_configs

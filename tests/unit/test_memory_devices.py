@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port, spawn_ranks
-from test_cli import run_cli
+from conftest import free_port, run_cli, spawn_ranks
 
 from rayjobs import devices
 from rayjobs.config import from_dict

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_cli import run_cli
+from conftest import run_cli
 
 from rayjobs import train
 from rayjobs.config import load_config

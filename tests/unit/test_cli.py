@@ -9,31 +9,12 @@ import time
 import psutil
 import pytest
 import yaml
-from conftest import REPO, subprocess_env
-
-# Runs the CLI, then reports on stdout whether `ray` was ever imported (no import: no Ray process).
-PROBE = (
-    "import sys, atexit\n"
-    "atexit.register(lambda: print('RAY_IMPORTED=' + str('ray' in sys.modules)))\n"
-    "from rayjobs.cli import main\n"
-    "main(sys.argv[1:])\n"
-)
+from conftest import REPO, run_cli, subprocess_env
 
 
 def _ray_processes() -> set[int]:
     names = {"raylet", "gcs_server"}
     return {p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in names}
-
-
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", PROBE, *args],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():

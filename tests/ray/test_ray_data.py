@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_cli import run_cli
+from conftest import run_cli
 
 from rayjobs import train
 from rayjobs.config import load_config

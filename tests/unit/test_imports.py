@@ -13,7 +13,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 ROOTS = ("rayjobs", "models", "benchmarks")
 
 
@@ -152,7 +153,7 @@ def test_the_leaves_import_nothing_of_rayjobs_but_errors():
         "rayjobs.rundir",
         "rayjobs.context",
         "rayjobs.storage.uri",
-        "rayjobs.storage.format",
+        "rayjobs.storage.store",
         "rayjobs.errors",
     ):
         assert graph[leaf] <= {"rayjobs.errors"}, (leaf, graph[leaf])

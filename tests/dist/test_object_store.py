@@ -137,8 +137,8 @@ def test_two_nodes_upload_their_own_shards_and_each_resumes_from_the_bucket(s3, 
     uri = s3("gloo")
     spawn_ranks(_two_nodes_worker, 2, (2, free_port(), str(tmp_path), uri))
     store = RunStore(uri, "run")
-    assert store.checkpoint_names() == [ckpt.name_for(2), ckpt.name_for(3)]  # keep_last=2 pruned step 1
-    manifest = store.manifest(ckpt.name_for(3))
+    assert ckpt.checkpoint_names(store) == [ckpt.name_for(2), ckpt.name_for(3)]  # keep_last=2 pruned step 1
+    manifest = ckpt.read_manifest(store, ckpt.name_for(3))
     assert {"rank_0.pt", "rank_1.pt", ".metadata", "state.json"} <= set(manifest["files"])
     assert any(f.startswith("__1_") for f in manifest["files"]) and any(f.startswith("__0_") for f in manifest["files"])
     assert set(manifest["sizes"]) == set(manifest["files"])
@@ -164,7 +164,7 @@ def test_two_nodes_upload_their_own_shards_and_each_resumes_from_the_bucket(s3, 
     assert got == str(tmp_path / "fresh" / ckpt.name_for(2))
     # Without its manifest in the bucket a checkpoint is incomplete: not even downloaded.
     store.fs.delete_file(store.path(name, "manifest.json"))
-    assert store.problem(name).startswith("no manifest")
+    assert ckpt.problem(store, name).startswith("no manifest")
     shutil.rmtree(tmp_path / "fresh")
     assert ckpt.fetch_latest(store, tmp_path / "fresh", one) == str(tmp_path / "fresh" / ckpt.name_for(2))
     assert not (tmp_path / "fresh" / name).exists()
@@ -202,8 +202,8 @@ def test_ray_workers_checkpoint_to_the_bucket_and_a_new_node_resumes_from_it(
     assert first["metrics"]["step"] == steps
     assert first["checkpoint_uri"] == f"s3://rayjobs/ray/digits-s3/{ckpt.name_for(steps)}"
     store = RunStore(uri, "digits-s3")
-    assert store.problem(ckpt.name_for(steps)) == ""
-    assert {"rank_0.pt", "rank_1.pt"} <= set(store.manifest(ckpt.name_for(steps))["files"])
+    assert ckpt.problem(store, ckpt.name_for(steps)) == ""
+    assert {"rank_0.pt", "rank_1.pt"} <= set(ckpt.read_manifest(store, ckpt.name_for(steps))["files"])
 
     shutil.rmtree(tmp_path / "local")
     second = train.run(load_config(None, [*base, "training.epochs=2"]))

@@ -9,7 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from test_cli import run_cli
+from conftest import run_cli
 
 from rayjobs import train, tune
 from rayjobs.config import load_config
