@@ -37,11 +37,14 @@ browser:
 	      || echo "setup: chromium could not be installed: the screenshot test will skip"; \
 	  else echo "setup: no chromium and no root apt-get: the screenshot test will skip"; fi; }
 
+# Tiers in order, quickest first: unit, dist (gloo, local mode, servers), ray, cluster, the README.
+TIERS := tests/unit tests/dist tests/ray tests/cluster tests/test_readme.py
+
 test: setup browser
-	$(PY) -m pytest $(PYTEST_FLAGS) --durations=25 tests
+	$(PY) -m pytest $(PYTEST_FLAGS) --durations=25 $(TIERS)
 
 test-fast: setup
-	$(PY) -m pytest $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests
+	$(PY) -m pytest $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests/unit tests/dist
 
 bench: setup
 	$(VENV)/bin/rayjobs bench --json results/bench.json

@@ -1,4 +1,4 @@
-"""``python -m benchmarks [NAMES] [--quick] [--json PATH] [--chart PATH]``: what ``rayjobs bench`` runs.
+"""``python -m benchmarks [NAMES] [--quick | --smoke] [--json PATH] [--chart PATH]``: what ``rayjobs bench`` runs.
 
 Benchmarks import rayjobs' public pieces; rayjobs never imports benchmarks (``rayjobs bench``
 starts this module in its own process).
@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness
+from benchmarks.base import FULL, QUICK, SMOKE
 from rayjobs import log
 
 
@@ -19,6 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rayjobs bench", description="side-by-side benchmarks (ratios, with goals)")
     parser.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     parser.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="each benchmark's code path at its smallest (figures not comparable)"
+    )
     parser.add_argument("--json", metavar="PATH", default="results/bench.json", help="where to write the figures")
     parser.add_argument("--chart", metavar="PATH", help="PNG chart (default: beside --json)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -27,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         log.error(f"bench: unknown benchmark(s) {', '.join(unknown)}; known: {', '.join(known)}")
         return 2
-    results = harness.run(args.names, args.quick)
+    size = SMOKE if args.smoke else QUICK if args.quick else FULL
+    results = harness.run(args.names, size)
     print(harness.format_table(results))
     harness.write_json(results, args.json)
     chart = args.chart or str(Path(args.json).with_suffix(".png"))

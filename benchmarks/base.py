@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +33,22 @@ class Figure:
         return self.value <= float(target) if op == "<=" else self.value >= float(target)
 
 
+@dataclass(frozen=True)
+class Size:
+    """How long a benchmark runs: ``full`` (the figures), ``quick`` (minutes), ``smoke`` (its code path, seconds)."""
+
+    name: str = "full"
+
+    def pick(self, full: Any, quick: Any, smoke: Any = None) -> Any:
+        """The value for this size (``smoke`` falls back to ``quick``)."""
+        if self.name == "full":
+            return full
+        return quick if self.name == "quick" or smoke is None else smoke
+
+
+FULL, QUICK, SMOKE = Size("full"), Size("quick"), Size("smoke")
+
+
 @dataclass
 class Benchmark:
     """A benchmark: what it runs, what it compares, and the function that measures it."""
@@ -39,7 +56,7 @@ class Benchmark:
     name: str
     workload: str
     compares: str
-    run: Callable[[bool], list[Figure]]
+    run: Callable[[Size], list[Figure]]
     needs: str = ""  # "cuda" for GPU-only benchmarks
     figures: list[Figure] = field(default_factory=list)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 
 def _setup(flavor: str):
@@ -53,10 +53,10 @@ def _save(flavor: str, async_save: bool, rounds: int) -> tuple[float, float, flo
     return best_blocked, best_total, size
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """For each size: sync save time and MB/s; async blocked time as a fraction of the sync save."""
-    flavors = ["debug", "small"] if quick else ["debug", "small", "medium"]
-    rounds = 2 if quick else 3
+    flavors = size.pick(["debug", "small", "medium"], ["debug", "small"], ["small"])
+    rounds = size.pick(3, 2, 1)
     figures = []
     for flavor in flavors:
         _, sync_total, size = _save(flavor, async_save=False, rounds=rounds)

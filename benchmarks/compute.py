@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 
 def matmul_flops(n: int, repeats: int) -> float:
@@ -42,10 +42,10 @@ def model_flops(flavor: str, batch: int, seq: int, steps: int) -> tuple[float, f
     return flops_per_sample("gpt", model, info) * batch / step, step
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """MFU on CPU: the peak is a matmul measured in the same process and thread setup."""
-    runs = [("small", 4, 128, 3)] + ([] if quick else [("medium", 4, 256, 4)])
-    n = 1024 if quick else 2048
+    runs = size.pick([("small", 4, 128, 3), ("medium", 4, 256, 4)], [("small", 4, 128, 3)], [("small", 2, 64, 2)])
+    n = size.pick(2048, 1024, 512)
     figures, peaks = [], []
     for flavor, batch, seq, steps in runs:
         peak = matmul_flops(n, 10)

@@ -10,11 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 from rayjobs.telemetry import peak_flops
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """One GPU, one NCCL rank, gpt (medium in quick mode, 1b otherwise) under FSDP2 with bf16
     parameters and fp32 gradient reduction, bf16 autocast, AdamW."""
     from models import build_model, flops_per_sample
@@ -24,7 +24,7 @@ def run(quick: bool) -> list[Figure]:
     from rayjobs.data import data_info
     from rayjobs.memory import estimate
 
-    flavor, batch, seq, steps = ("medium", 8, 1024, 10) if quick else ("1b", 8, 2048, 10)
+    flavor, batch, seq, steps = size.pick(("1b", 8, 2048, 10), ("medium", 8, 1024, 10), ("small", 8, 256, 4))
     cfg = from_dict(
         {
             "model": {"name": "gpt", "flavor": flavor},

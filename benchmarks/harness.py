@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.base import BENCHMARKS, Benchmark
+from benchmarks.base import BENCHMARKS, Benchmark, Size
 
 
 def load_all() -> dict[str, Benchmark]:
@@ -57,8 +57,8 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def run(names: list[str], quick: bool, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the named benchmarks (all when empty) and return {machine, quick, figures, benchmarks}."""
+def run(names: list[str], size: Size, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run the named benchmarks (all when empty) at ``size`` and return {machine, size, figures, benchmarks}."""
     import torch
 
     benches = load_all()
@@ -66,7 +66,13 @@ def run(names: list[str], quick: bool, log: Callable[[str], None] = print) -> di
     if unknown:
         raise KeyError(f"unknown benchmark(s): {', '.join(unknown)}; known: {', '.join(benches)}")
     selected = [benches[n] for n in (names or benches)]
-    results: dict[str, Any] = {"machine": machine(), "quick": quick, "figures": {}, "benchmarks": {}}
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "size": size.name,
+        "quick": size.name != "full",
+        "figures": {},
+        "benchmarks": {},
+    }
     for bench in selected:
         if bench.needs == "cuda" and not torch.cuda.is_available():
             log(f"bench: {bench.name}: skipped (needs CUDA)")
@@ -74,7 +80,7 @@ def run(names: list[str], quick: bool, log: Callable[[str], None] = print) -> di
             continue
         log(f"bench: {bench.name}: {bench.workload}")
         t0 = time.time()
-        figures = bench.run(quick)
+        figures = bench.run(size)
         results["benchmarks"][bench.name] = {
             "workload": bench.workload,
             "compares": bench.compares,
@@ -95,10 +101,11 @@ def format_table(results: dict[str, Any]) -> str:
             f"| `{key}` | {value}{(' ' + f['unit']) if f['unit'] else ''} | {f['goal']} | {met} | {f['note']} |"
         )
     m = results["machine"]
+    mode = "" if results["size"] == "full" else f", {results['size']} mode"
     rows.append("")
     rows.append(
         f"Measured {m['date']} on {m['cores']} cores ({m['cpu']}), GPU: {m['gpu'] or 'none'}, "
-        f"torch {m['torch']}, ray {m.get('ray', '?')}{', quick mode' if results['quick'] else ''}."
+        f"torch {m['torch']}, ray {m.get('ray', '?')}{mode}."
     )
     return "\n".join(rows)
 

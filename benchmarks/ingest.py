@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.base import REPO, Benchmark, Figure, register, subprocess_env
+from benchmarks.base import REPO, Benchmark, Figure, Size, register, subprocess_env
 
 FEATURES, BATCH = 256, 256
 
@@ -114,10 +114,10 @@ def rows_per_s_ray_data(folder: Path) -> float:
         ray.shutdown()
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """The default job's data-wait share; then the same Parquet files through Ray Data and a DataLoader."""
-    wait = data_wait_default(epochs=2 if quick else 6)
-    files, rows = (4, 5_000) if quick else (16, 10_000)
+    wait = data_wait_default(epochs=size.pick(6, 2, 1))
+    files, rows = size.pick((16, 10_000), (4, 5_000), (2, 1_000))
     with tempfile.TemporaryDirectory(prefix="rj-bench-ingest-") as d:
         paths = write_parquet(Path(d), files, rows)
         loader = rows_per_s_dataloader(paths)

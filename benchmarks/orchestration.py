@@ -5,13 +5,13 @@ from __future__ import annotations
 import statistics
 
 from benchmarks import launch
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """Alternate torchrun and Ray launches; compare median step times and launch-to-first-step times."""
-    spec = {"steps": 15 if quick else 40, "warmup": 3}
-    rounds = 1 if quick else 2
+    spec = {"steps": size.pick(40, 15, 6), "warmup": size.pick(3, 3, 1)}
+    rounds = size.pick(2, 1)
     torch_runs, ray_runs = [], []
     for _ in range(rounds):
         torch_runs.append(launch.torchrun(spec, nproc=2))

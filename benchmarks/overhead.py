@@ -8,7 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 SEQ, VOCAB, BATCH = 64, 256, 16
 MODEL_KWARGS = {"dim": 128, "n_layers": 4, "n_heads": 4}
@@ -61,9 +61,9 @@ def _rayjobs_loop(steps: int) -> float:
         return train.run(cfg)["samples_per_s"]
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """Alternate the two loops and keep each one's best (the least disturbed) throughput."""
-    steps, rounds = (40, 2) if quick else (100, 3)
+    steps, rounds = size.pick((100, 3), (40, 2), (10, 1))
     plain, ours = [], []
     for _ in range(rounds):
         plain.append(_plain_loop(steps))

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 SEQ, BATCH = 64, 4
 
@@ -90,12 +90,12 @@ def measure(strategy: str, flavor: str) -> dict[str, int]:
         return json.loads(Path(out).read_text())
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """DDP then FSDP2, 2 ranks each; the ratio of what rank 0 holds, and the estimate's ratio."""
     from rayjobs.memory import estimate
     from rayjobs.parallel import resolve_layout
 
-    flavor = "debug" if quick else "small"
+    flavor = size.pick("small", "debug")
     ddp, fsdp = measure("ddp", flavor), measure("fsdp", flavor)
     total_ddp, total_fsdp = sum(ddp.values()), sum(fsdp.values())
     est = {

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from benchmarks import launch
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """efficiency = throughput(2 workers) / (2 x throughput(1 worker))."""
-    spec = {"steps": 15 if quick else 40, "warmup": 3}
+    spec = {"steps": size.pick(40, 15, 6), "warmup": size.pick(3, 3, 1)}
     one = launch.torchrun(spec, nproc=1)
     two = launch.torchrun(spec, nproc=2)
     efficiency = two["samples_per_s"] / (2 * one["samples_per_s"])

@@ -12,13 +12,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.base import REPO, Benchmark, Figure, register, subprocess_env
+from benchmarks.base import REPO, Benchmark, Figure, Size, register, subprocess_env
 
 TOLERANCE = 0.005  # "within 0.5% of random search's best validation accuracy"
 
 
-def _overrides(storage: str, quick: bool) -> list[str]:
-    samples, epochs = (2, 2) if quick else (8, 8)
+def _overrides(storage: str, size: Size) -> list[str]:
+    samples, epochs = size.pick((8, 8), (2, 2), (2, 1))
     return [
         f"run.storage_path={storage}",
         "tracking.enabled=false",
@@ -45,12 +45,12 @@ def _cli(args: list[str], timeout: float) -> None:
         raise RuntimeError(f"rayjobs {' '.join(args[:3])} ... failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
 
 
-def search(scheduler: str, quick: bool) -> dict[str, Any]:
+def search(scheduler: str, size: Size) -> dict[str, Any]:
     """One ``rayjobs tune`` search of tune-digits with this scheduler; returns its summary."""
     with tempfile.TemporaryDirectory(prefix=f"rj-bench-{scheduler}-") as d:
         summary = Path(d) / "summary.json"
         args = ["tune", "--config", "rayjobs/configs/tune-digits.yaml", "--summary", str(summary)]
-        for o in [*_overrides(d, quick), f"tune.scheduler={scheduler}"]:
+        for o in [*_overrides(d, size), f"tune.scheduler={scheduler}"]:
             args += ["--set", o]
         _cli(args, timeout=1200)
         return json.loads(summary.read_text())
@@ -88,10 +88,10 @@ def _train_start_to_first_step() -> float:
         return RunDir(str(Path(d, "start"))).read_events("first_step")[0]["time"] - started
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """Random search, then ASHA over the same seeded configs; then one cold ``rayjobs train``."""
-    random_summary = search("fifo", quick)
-    asha_summary = search("asha", quick)
+    random_summary = search("fifo", size)
+    asha_summary = search("asha", size)
     best = max(h["val/accuracy"] for t in random_summary["trials"] for h in t["history"])
     asha_best = max(h["val/accuracy"] for t in asha_summary["trials"] for h in t["history"])
     target = best * (1 - TOLERANCE)

@@ -6,7 +6,7 @@ import tempfile
 
 import torch
 
-from benchmarks.base import Benchmark, Figure, register
+from benchmarks.base import Benchmark, Figure, Size, register
 
 SEQ, VOCAB, BATCH = 64, 256, 16
 
@@ -33,9 +33,9 @@ def _samples_per_s(steps: int, tracking: bool) -> float:
         return train.run(cfg)["samples_per_s"]
 
 
-def run(quick: bool) -> list[Figure]:
+def run(size: Size) -> list[Figure]:
     """Alternate runs with and without per-step logging; compare the best step time of each."""
-    steps, rounds = (60, 2) if quick else (150, 3)
+    steps, rounds = size.pick((150, 3), (60, 2), (15, 1))
     off, on = [], []
     for _ in range(rounds):
         off.append(_samples_per_s(steps, tracking=False))

@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from rayjobs.context import WorkerContext
 from rayjobs.log import log
-from rayjobs.storage.store import LocalStore, Store
+from rayjobs.storage.local import LocalStore
+from rayjobs.storage.store import Store
 
 # The format: a checkpoint is a directory ``checkpoint_<step:08d>``; its manifest (every file's
 # sha256 and size) is written last and is its commit marker, on a filesystem and in a bucket.

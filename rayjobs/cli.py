@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the side-by-side benchmarks (ratios, with goals)")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     bench.add_argument("--quick", action="store_true", help="short runs (about 5 minutes on 2 cores)")
+    bench.add_argument("--smoke", action="store_true", help="each benchmark's code path at its smallest (tests)")
     bench.add_argument("--json", metavar="PATH", default="results/bench.json", help="where to write the figures")
     bench.add_argument("--chart", metavar="PATH", help="PNG chart (default: beside --json)")
     return parser
@@ -370,6 +371,7 @@ def _bench(args: argparse.Namespace) -> None:
         "--json",
         args.json,
         *(["--quick"] if args.quick else []),
+        *(["--smoke"] if args.smoke else []),
         *(["--chart", args.chart] if args.chart else []),
     ]
     env = dict(

@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from models.registry import DataInfo
+from rayjobs.plan import StreamPlan
 
 
 @dataclass
@@ -253,7 +254,7 @@ def eval_shard(dataset: Dataset, rank: int, world_size: int, batch_size: int) ->
 class TrainingData:
     """What a worker trains and evaluates on: its micro-batches one epoch at a time, and the
     validation and test sets. In memory (a resumable sampler over a map-style dataset) or streamed
-    (this worker's Ray Data shard; the driver counted the rows and passes ``streaming``)."""
+    (this worker's Ray Data shard; the driver counted the rows and passes a ``StreamPlan``)."""
 
     def __init__(
         self,
@@ -264,25 +265,25 @@ class TrainingData:
         shards: int,
         micro_batch: int,
         accum: int,
-        streaming: dict[str, Any] | None = None,
+        stream: StreamPlan | None = None,
     ) -> None:
         self.micro_batch, self.accum, self.seed = micro_batch, accum, seed
-        self.streaming = streaming is not None
-        if streaming is not None:
+        self.streaming = stream is not None
+        if stream is not None:
             import ray.train
 
-            self.info = DataInfo(streaming["kind"], tuple(streaming["shape"]), streaming["classes"])
+            self.info = DataInfo(stream.kind, tuple(stream.shape), stream.classes)
             self.train = ray.train.get_dataset_shard("train")
             self.val = ray.train.get_dataset_shard("val")
-            self.test = ray.train.get_dataset_shard("test") if streaming["has_test"] else None
-            if streaming.get("in_memory"):  # small enough: read once per worker, then trained on from memory
+            self.test = ray.train.get_dataset_shard("test") if stream.has_test else None
+            if stream.in_memory:  # small enough: read once per worker, then trained on from memory
                 self.val = InMemory(self.val)
                 self.test = InMemory(self.test) if self.test is not None else None
                 self.cached_train: InMemory | None = InMemory(self.train)
             else:
                 self.cached_train = None
             # Ray Train splits train equally over the workers; full micro-batches only.
-            per_worker = streaming["train_rows"] // streaming["world_size"]
+            per_worker = stream.train_rows // stream.world_size
             self.steps_per_epoch = per_worker // micro_batch // accum
         else:
             splits = load(name, kwargs)

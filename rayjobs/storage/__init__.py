@@ -1,7 +1,8 @@
 """Where a run's files live: a filesystem path or an object store bucket.
 
     uri.py      storage locations: path or ``s3://...`` URI (pure checks, a leaf)
-    store.py    the Store protocol (files and directories of one run) and LocalStore
+    store.py    the Store protocol: the files and directories of one run
+    local.py    LocalStore: a run's directory on a filesystem
     bucket.py   RunStore: the same protocol in an object store, through pyarrow
     mark.py     the driver's mark that every worker must read (shared storage)
 
@@ -10,8 +11,9 @@ directory and a bucket.
 """
 
 from rayjobs.storage.bucket import RunStore, StoreError
+from rayjobs.storage.local import LocalStore
 from rayjobs.storage.mark import StorageNotShared, check_shared, mark
-from rayjobs.storage.store import LocalStore, Store
+from rayjobs.storage.store import Store
 from rayjobs.storage.uri import cache_dir_for, check_uri, is_uri
 
 __all__ = [

@@ -154,6 +154,7 @@ def test_the_leaves_import_nothing_of_rayjobs_but_errors():
         "rayjobs.context",
         "rayjobs.storage.uri",
         "rayjobs.storage.store",
+        "rayjobs.storage.local",
         "rayjobs.errors",
     ):
         assert graph[leaf] <= {"rayjobs.errors"}, (leaf, graph[leaf])
