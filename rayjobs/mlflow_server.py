@@ -160,7 +160,8 @@ def start(store_dir: str, port: int, auth: bool = False, log_path: str | None = 
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """Stop a server started by ``start`` (its whole process group: uvicorn has children)."""
+    """Stop a server started by ``start``: its whole process group (uvicorn has children), SIGTERM
+    first, then SIGKILL for whatever is left (a worker that outlived its leader, or a slow exit)."""
     import signal
 
     if proc.poll() is None:
@@ -168,11 +169,13 @@ def stop(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=15)
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader while any member lives
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait(timeout=15)
 
 
 def serve(store_dir: str, port: int, auth: bool) -> None:
