@@ -177,6 +177,7 @@ def test_nan_stop_policy_fails_naming_the_step(tmp_path):
     assert ckpt.latest_complete(tmp_path / "nanstop").step == 10  # the NaN state was never saved
 
 
+@pytest.mark.slow
 def test_cli_lists_and_exports(tmp_path, uninterrupted):
     run_dir = str(Path(uninterrupted["checkpoint"]).parent)
     proc = subprocess.run(

@@ -120,6 +120,7 @@ def _bad(*args: str, needle: str, tmp_path: Path | None = None) -> None:
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_bad_input_to_data_prepare(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -163,6 +164,7 @@ def test_bad_input_to_data_prepare(tmp_path):
     _bad("data", "prepare", "csv", str(csvs), "--out", str(tmp_path / "c"), needle="do not share one schema")
 
 
+@pytest.mark.slow
 def test_prepare_into_its_own_folder_replaces_the_old_shards(tmp_path):
     out = tmp_path / "d"
     assert run_cli("data", "prepare", "digits", "--out", str(out), "--shards", "4").returncode == 0
@@ -170,6 +172,7 @@ def test_prepare_into_its_own_folder_replaces_the_old_shards(tmp_path):
     assert sorted(p.name for p in (out / "train").iterdir()) == ["part-00000.parquet", "part-00001.parquet"]
 
 
+@pytest.mark.slow
 def test_bad_input_to_train_tune_checkpoints(tmp_path):
     _bad("train", "--set", "tune.name=../../x", needle="tune.name: must be a plain name without '/'")
     (tmp_path / "t.txt").write_text("abc " * 100)

@@ -170,6 +170,7 @@ def test_two_nodes_upload_their_own_shards_and_each_resumes_from_the_bucket(s3, 
     assert not (tmp_path / "fresh" / name).exists()
 
 
+@pytest.mark.slow
 def test_an_unreachable_bucket_is_one_line_naming_it(aws, tmp_path):
     from rayjobs import train
 

@@ -95,6 +95,7 @@ def test_two_workers_one_killed_make_exactly_one_mlflow_run(ray_cluster, mlflow_
         np.testing.assert_allclose(loaded(x).numpy(), trained(x).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_server_down_for_30s_mid_run_loses_no_metric(tmp_path):
     from rayjobs import mlflow_server as server
 
@@ -149,6 +150,7 @@ def test_server_down_for_30s_mid_run_loses_no_metric(tmp_path):
         server.stop(proc)
 
 
+@pytest.mark.slow
 def test_basic_auth_refuses_anonymous_and_logs_with_credentials(tmp_path, monkeypatch):
     from rayjobs import mlflow_server as server
 

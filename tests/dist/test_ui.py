@@ -35,6 +35,7 @@ def trained(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_ui_serves_on_loopback_and_prints_the_url(trained):
     port = free_port()
     proc = subprocess.Popen(
@@ -63,6 +64,7 @@ def test_ui_serves_on_loopback_and_prints_the_url(trained):
 
 
 @pytest.mark.skipif(find_chromium() is None, reason="Chromium not installed (make test installs it where apt works)")
+@pytest.mark.slow
 def test_screenshot_of_the_metric_chart(trained, tmp_path):
     out = tmp_path / "mlflow-ui.png"
     started = time.monotonic()
@@ -112,6 +114,7 @@ def _mlflow_processes(port: int) -> list:
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP"])
+@pytest.mark.slow
 def test_ui_stops_its_server_on_sigterm_and_sighup(trained, sig):
     import signal
 
@@ -142,6 +145,7 @@ def test_ui_on_a_busy_port_fails_in_one_line(trained):
     ]
 
 
+@pytest.mark.slow
 def test_ui_auth_rotates_the_admin_password_and_keeps_its_secrets_private(tmp_path):
     import base64
     import os

@@ -92,6 +92,7 @@ def test_python_dash_m_rayjobs_train_is_the_same_entry():
     )
 
 
+@pytest.mark.slow
 def test_a_failed_training_exits_1_with_the_error(tmp_path):
     proc = run_cli(
         "train",

@@ -69,6 +69,7 @@ def crd_schema(kind: str) -> dict:
 
 
 @pytest.mark.skipif(not CRDS.is_dir(), reason="no ../shared/kuberay-crds here to compare the extracted schemas with")
+@pytest.mark.slow
 def test_the_extracted_schemas_are_the_kuberay_crds():
     for kind in ("RayCluster", "RayJob"):
         crd = yaml.safe_load((CRDS / f"ray.io_{kind.lower()}s.yaml").read_text())

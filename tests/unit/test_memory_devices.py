@@ -71,6 +71,7 @@ def test_every_rank_reports_its_device_and_alike_ones_pass(tmp_path):
     assert found[0]["memory_gib"] > 0 and found[0]["capability"] == "cpu"
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_is_one_line_with_rank_step_and_what_to_try(tmp_path):
     proc = run_cli(
         "train",
