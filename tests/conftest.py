@@ -1,4 +1,4 @@
-"""Shared fixtures: environment restored after each test, process groups torn down, one Ray per session.
+"""Shared fixtures: environment restored after each test, process groups torn down, one Ray per module.
 
 Tests live in tiers by folder (each test is marked with its tier): ``unit`` (no processes but the
 CLI's), ``dist`` (multi-process gloo, local mode, real MLflow and S3 servers), ``ray`` (a local Ray
@@ -57,10 +57,10 @@ def _node_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_NODE_ENV_PREFIXES)}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """One local Ray (2 CPUs) shared by the whole session: started on first use, and again only when a
-    test shut it down (its own Ray) or the node environment (bucket credentials) changed."""
+    """A local Ray (2 CPUs) shared by the tests of a module (one already up with the same node
+    environment, i.e. bucket credentials, is reused; ``_no_ray_outlives_its_module`` ends it)."""
     import ray
 
     if ray.is_initialized() and _shared_ray["env"] == _node_env():
@@ -79,12 +79,12 @@ def ray_cluster():
     yield ray
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _shut_down_the_shared_ray():
+@pytest.fixture(scope="module", autouse=True)
+def _no_ray_outlives_its_module():
+    """The in-process Ray goes with its module: another Ray beside it (`ray start --head`, a CLI run, a
+    README command) would collide on Ray's fixed ports (the dashboard agent's 52365)."""
     yield
-    import sys as _sys
-
-    ray = _sys.modules.get("ray")
+    ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
 
