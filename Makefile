@@ -6,6 +6,12 @@ PY      := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_FLAGS ?=
+# Processes per run (pytest-xdist, one test module per unit of work; 1: none). The quick tiers gain
+# from 2; the Ray tiers are CPU-bound on 2 cores (Ray's own processes): 3 at once ran at a load of
+# 11, no sooner, and an elastic-run test missed its deadline.
+TEST_WORKERS ?= 1
+FAST_WORKERS ?= 2
+xdist = $(if $(filter 1,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
 
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 
@@ -41,10 +47,10 @@ browser:
 TIERS := tests/unit tests/dist tests/ray tests/cluster tests/test_readme.py
 
 test: setup browser
-	$(PY) -m pytest $(PYTEST_FLAGS) --durations=25 $(TIERS)
+	$(PY) -m pytest $(call xdist,$(TEST_WORKERS)) $(PYTEST_FLAGS) --durations=25 $(TIERS)
 
 test-fast: setup
-	$(PY) -m pytest $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests/unit tests/dist
+	$(PY) -m pytest $(call xdist,$(FAST_WORKERS)) $(PYTEST_FLAGS) --durations=10 -m "not ray and not slow" tests/unit tests/dist
 
 bench: setup
 	$(VENV)/bin/rayjobs bench --json results/bench.json

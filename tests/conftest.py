@@ -40,12 +40,32 @@ def _no_leftover_process_group():
 TIERS = ("unit", "dist", "ray", "cluster")
 
 
+# Under pytest-xdist (`make test-fast` runs `-n 2 --dist loadfile`) a module is one unit of work, so its
+# module-scoped Ray, `ray start --head` or MLflow server is started once, and the README's commands
+# run in order in one directory. Modules are handed out in this order, longest tiers first, so that
+# the long ones do not start last: the README, the autoscaling cluster, the Ray tier, the quick tiers.
+_FIRST = ("test_readme.py", "cluster", "ray", "dist", "unit")
+
+
+def _tier(item) -> str:
+    return Path(str(item.fspath)).parent.name
+
+
+def _order(item) -> int:
+    path = Path(str(item.fspath))
+    name = path.name if path.name == "test_readme.py" else path.parent.name
+    return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Mark each test with its tier (the folder it lives in): ``-m unit``, ``-m "unit or dist"``, ..."""
+    """Mark each test with its tier (the folder it lives in): ``-m unit``, ``-m "unit or dist"``, ...;
+    under pytest-xdist, put the longest tiers first."""
     for item in items:
-        tier = Path(str(item.fspath)).parent.name
+        tier = _tier(item)
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the hand-out order
+        items.sort(key=_order)  # stable: the order within a tier and a module is kept
 
 
 # The credentials a cluster's processes get from the environment they were started in (a node's role).
@@ -105,18 +125,29 @@ CLI_PROBE = (
 )
 
 
-def run_cli(*args: str, timeout: float = 60):
-    """``rayjobs ARGS`` in a subprocess from the repo; its stdout ends with ``RAY_IMPORTED=True|False``."""
-    import subprocess
+def run_cli(*args: str, timeout: float = 60, cwd: Path | str | None = None):
+    """``rayjobs ARGS`` in a subprocess; its stdout ends with ``RAY_IMPORTED=True|False``.
 
-    return subprocess.run(
-        [sys.executable, "-c", CLI_PROBE, *args],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    It runs in a fresh directory of its own (a user's, not the repo: the default `results/` of two
+    tests running at once must not be one run directory), or in ``cwd``."""
+    import subprocess
+    import tempfile
+
+    own_dir = tempfile.mkdtemp(prefix="rayjobs-cli-") if cwd is None else None
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", CLI_PROBE, *args],
+            cwd=cwd or own_dir,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    finally:
+        if own_dir:
+            import shutil
+
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -154,6 +185,7 @@ class RayHead:
             f"--port={self.gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={self.dashboard_port}",
+            "--dashboard-agent-listen-port=0",  # not Ray's fixed 52365: a Ray beside it (another test) may hold it
             f"--num-cpus={self.num_cpus}",
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",

@@ -206,7 +206,7 @@ def test_bad_data_is_one_line_before_ray(tmp_path):
 
 
 def test_cluster_up_with_a_cloud_yaml_is_one_line():
-    proc = run_cli("cluster", "up", "--config", "cluster/aws.yaml")
+    proc = run_cli("cluster", "up", "--config", "cluster/aws.yaml", cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
         "rayjobs: error: cluster config: cluster/aws.yaml is not a fake_multinode cluster; "
