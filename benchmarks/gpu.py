@@ -18,7 +18,7 @@ def run(size: Size) -> list[Figure]:
     """One GPU, one NCCL rank, gpt (medium in quick mode, 1b otherwise) under FSDP2 with bf16
     parameters and fp32 gradient reduction, bf16 autocast, AdamW."""
     from models import build_model, flops_per_sample
-    from rayjobs import parallel, stepping
+    from rayjobs import parallel, stepping, tasks
     from rayjobs.config import from_dict
     from rayjobs.context import WorkerContext
     from rayjobs.data import data_info
@@ -45,7 +45,7 @@ def run(size: Size) -> list[Figure]:
         torch.manual_seed(0)
         model = build_model("gpt", flavor, {}, info).to(device)
         flops = flops_per_sample("gpt", model, info)
-        par = parallel.apply(model, cfg, ctx, layout, stepping.loss_fn)
+        par = parallel.apply(model, cfg, ctx, layout, tasks.LanguageModel().loss)
         opt = stepping.build_optimizer(par.model, cfg)
         x = torch.randint(0, info.num_classes, (batch, seq), device=device)
         y = torch.roll(x, -1, 1)

@@ -47,7 +47,7 @@ def _local_bytes(t: torch.Tensor | None) -> int:
 
 def _worker(rank: int, port: int, strategy: str, flavor: str, out: str) -> None:
     from models import build_model
-    from rayjobs import parallel, stepping
+    from rayjobs import parallel, stepping, tasks
     from rayjobs.context import WorkerContext
     from rayjobs.data import data_info
 
@@ -60,11 +60,11 @@ def _worker(rank: int, port: int, strategy: str, flavor: str, out: str) -> None:
         ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
         torch.manual_seed(0)
         model = build_model("gpt", flavor, {}, data_info(cfg.data.name, cfg.data.kwargs))
-        par = parallel.apply(model, cfg, ctx, layout, stepping.loss_fn)
+        par = parallel.apply(model, cfg, ctx, layout, tasks.LanguageModel().loss)
         opt = stepping.build_optimizer(par.model, cfg)
         x = torch.randint(0, 256, (BATCH, SEQ))
         # Gradients are kept (no zero_grad) so that they are counted: set_to_none would free them.
-        loss = stepping.loss_fn(par.model(x), torch.roll(x, -1, 1))
+        loss = tasks.LanguageModel().loss(par.model(x), torch.roll(x, -1, 1))
         loss.backward()
         opt.step()
         params = sum(_local_bytes(p) for p in par.model.parameters())

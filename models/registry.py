@@ -19,9 +19,10 @@ from torch import nn
 class DataInfo:
     """What a model needs to know about its data to size its input and output layers."""
 
-    kind: str  # "image" (classification) or "tokens" (next-token prediction)
+    kind: str  # "image" (features of any shape) or "tokens" (next-token prediction)
     input_shape: tuple[int, ...]  # shape of one sample, without the batch dimension
-    num_classes: int  # classes for "image"; vocabulary size for "tokens"
+    num_classes: int  # the output width: classes; vocabulary size for "tokens"; outputs for real targets
+    targets: str = "class"  # "class" (integer labels) or "real" (float targets: regression)
 
 
 @dataclass(frozen=True)

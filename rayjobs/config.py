@@ -100,7 +100,8 @@ class ModelSection(Section):
 
 class DataSection(Section):
     name: str = Field(
-        "digits", description="Dataset: digits | synthetic (in memory); parquet | csv | images | text (Ray Data)."
+        "digits",
+        description="Dataset: digits | diabetes | synthetic (in memory); parquet | csv | images | text (Ray Data).",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the dataset loader.")
 
@@ -117,6 +118,15 @@ class DataSection(Section):
         from rayjobs.data import DATASETS
 
         return DATASETS[self.name].kind(self.kwargs)
+
+
+class TaskSection(Section):
+    name: str = Field(
+        "auto",
+        description="classification | lm | regression | package.module:callable (your task); "
+        "auto: regression for real-valued targets, lm for tokens, else classification.",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for your task's callable.")
 
 
 class OptimSection(Section):
@@ -231,13 +241,11 @@ class ParallelSection(Section):
     )
 
 
-REPORTED_METRICS = ("val/loss", "val/accuracy", "train/loss")
-
-
 def reported_metric(name: str) -> str:
-    """``name`` if every eval report carries it, else a ValueError listing the ones that do."""
-    if name not in REPORTED_METRICS:
-        raise ValueError(f"must be one of {', '.join(REPORTED_METRICS)} (what every eval reports), got {name!r}")
+    """``name`` if it names an eval metric (``val/<metric>``) or the training loss; which metrics the
+    run's task reports is checked with the whole config (``RunConfig._task_fits``)."""
+    if name != "train/loss" and not (name.startswith("val/") and len(name) > 4):
+        raise ValueError(f"must be val/<metric> (what every eval reports) or train/loss, got {name!r}")
     return name
 
 
@@ -394,6 +402,7 @@ class RunConfig(Section):
     run: RunSection = Field(default_factory=RunSection)
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
+    task: TaskSection = Field(default_factory=TaskSection)
     optim: OptimSection = Field(default_factory=OptimSection)
     training: TrainingSection = Field(default_factory=TrainingSection)
     scaling: ScalingSection = Field(default_factory=ScalingSection)
@@ -420,10 +429,49 @@ class RunConfig(Section):
                         )
                     ]
                 )
+        self._task_fits()
         if not self.run.name:
             base = self.model.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
             self.run.name = f"{base}-{self.data.name}"
         return self
+
+    def _task_fits(self) -> None:
+        """The task exists, suits the data's targets, and reports the metrics tune and checkpoints rank by;
+        ``task.name: auto`` becomes the task the data implies, and metrics left unset become the task's."""
+        from rayjobs import tasks
+        from rayjobs.data import DATASETS
+
+        spec = DATASETS[self.data.name]
+        targets = "class" if spec.streaming else spec.info(self.data.kwargs).targets  # files are read in preflight
+        if self.task.name == "auto":
+            self.task.name = tasks.default_task(self.data.kind, targets)
+        if self.task.name not in tasks.SHIPPED and not _is_import_path(self.task.name):
+            hint = _did_you_mean(self.task.name, list(tasks.SHIPPED))
+            known = f"known: {' | '.join(tasks.SHIPPED)} (or package.module:callable)"
+            raise _MultiError([("task.name", f"unknown task {self.task.name!r}{hint}; {known}")])
+        try:
+            task = tasks.build_task(self.task.name, self.task.kwargs)
+        except Exception as exc:  # noqa: BLE001 - a user's task that cannot be built is the user's to fix
+            raise _MultiError(
+                [("task.name", f"cannot build {self.task.name!r}: {type(exc).__name__}: {exc}")]
+            ) from None
+        if task.targets != targets:
+            what = {"class": "integer class labels", "real": "real-valued targets"}
+            raise _MultiError(
+                [("task.name", f"task {task.name} needs {what[task.targets]}, but data.name={self.data.name} gives "
+                  f"{what.get(targets, targets)}; pick a task for this data (or task.name=auto)")]
+            )  # fmt: skip
+        if "metric" not in self.tune.model_fields_set:
+            given_mode = "mode" in self.tune.model_fields_set
+            self.tune.metric = f"val/{task.metric}"
+            if not given_mode:
+                self.tune.mode = task.mode
+        allowed = tasks.reported(task)
+        for path, name in (("checkpoint.metric", self.checkpoint.metric), ("tune.metric", self.tune.metric)):
+            if name not in allowed:
+                raise _MultiError(
+                    [(path, f"task {task.name} reports {', '.join(allowed)} at every eval, not {name!r}")]
+                )
 
     @property
     def storage_path(self) -> str:

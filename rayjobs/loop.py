@@ -23,7 +23,7 @@ import torch
 
 from models import build_model, flops_per_sample
 from rayjobs import data as data_lib
-from rayjobs import devices, memory, parallel, paths, storage, telemetry
+from rayjobs import devices, memory, parallel, paths, storage, tasks, telemetry
 from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import RunConfig, from_dict, redacted_dump
 from rayjobs.context import WorkerContext, all_reduce_sum, current_context
@@ -38,7 +38,6 @@ from rayjobs.stepping import (
     build_optimizer,
     build_scheduler,
     evaluate,
-    loss_fn,
     micro_batch_size,
     seed_everything,
     train_step,
@@ -70,6 +69,7 @@ class Run:
     total_steps: int
     stop_at: int  # a PBT segment stops before total_steps; the schedule keeps total_steps
     preemption: Preemption
+    task: tasks.Task
     mlflow: Any = None  # rank 0's MetricsLogger (None elsewhere, or without tracking)
     saved_at_step: int = -1
     loggers: list[Any] = field(default_factory=list)
@@ -125,7 +125,8 @@ def setup(plan: LaunchPlan) -> Run:
     n_params = sum(p.numel() for p in model.parameters())
     flops = flops_per_sample(cfg.model.name, model, data.info)  # before a pipeline stage drops parts
     peak, peak_source = telemetry.device_peak(ctx.device, t.precision)
-    parallelized = parallel.apply(model, cfg, ctx, layout, loss_fn)
+    task = tasks.build_task(cfg.task.name, cfg.task.kwargs)
+    parallelized = parallel.apply(model, cfg, ctx, layout, task.loss)
     model = parallelized.model
     seed_everything(t.seed + ctx.rank)  # distinct dropout per rank
     optimizer = build_optimizer(model, cfg)
@@ -147,7 +148,7 @@ def setup(plan: LaunchPlan) -> Run:
     run = Run(
         cfg, plan, ctx, layout, data, model, parallelized.pipeline, optimizer, scheduler, scaler, faults,
         new_saver(cfg, ctx, layout, store), state, resumed_from, meter, store, RunDir(cfg.run_dir), total_steps,
-        min(total_steps, int(plan.stop_at_step or total_steps)), Preemption(local_mode=plan.local_mode),
+        min(total_steps, int(plan.stop_at_step or total_steps)), Preemption(local_mode=plan.local_mode), task,
         saved_at_step=state.step if resumed_from else -1,
     )  # fmt: skip
     run.mlflow = start_metrics_logger(run)
@@ -190,7 +191,7 @@ def one_step(run: Run, batches: Any) -> StepResult:
     try:
         run.faults.oom_now(state.step + 1)
         nan = run.faults.nan_now(state.step + 1)
-        result = train_step(run.model, group, run.optimizer, cfg, ctx, run.scaler, nan, run.pipeline)
+        result = train_step(run.model, group, run.optimizer, cfg, ctx, run.scaler, nan, run.pipeline, run.task)
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not memory.is_oom(exc):
             raise
@@ -243,7 +244,7 @@ def finish(run: Run) -> dict[str, Any]:
     run.saver.wait()
     state.metrics = summarize(run, state.metrics.get("train/grad_norm", 0.0))
     if run.data.test is not None:
-        state.metrics.update(evaluate(run.model, run.data.test, run.cfg, run.ctx, prefix="test", pipeline=run.pipeline))
+        state.metrics.update(evaluate(run.model, run.data.test, run.cfg, run.ctx, "test", run.pipeline, run.task))
     if run.saved_at_step == state.step and run.resumed_from and state.step == run.resumed_from[1]:
         final = run.resumed_from[0]  # nothing trained since: that checkpoint is the final state
     else:
@@ -299,7 +300,7 @@ def summarize(run: Run, grad_norm: float) -> dict[str, float]:
         "train/grad_norm": grad_norm,
         "train/samples_per_s": samples_per_s,
         "perf/data_wait_fraction": state.data_wait_s / max(meter.train_s, 1e-9),
-        **evaluate(run.model, run.data.val, run.cfg, ctx, prefix="val", pipeline=run.pipeline),
+        **evaluate(run.model, run.data.val, run.cfg, ctx, "val", run.pipeline, run.task),
         **memory_metrics(ctx),
         "perf/mfu": meter.mfu(samples_per_s),
     }

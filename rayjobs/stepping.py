@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rayjobs import data as data_lib
@@ -24,6 +23,7 @@ from rayjobs import parallel
 from rayjobs.config import RunConfig
 from rayjobs.context import WorkerContext, all_reduce_sum
 from rayjobs.parallel import pp
+from rayjobs.tasks import Classification, Task
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,14 +41,6 @@ def micro_batch_size(global_batch: int, world_size: int, grad_accum: int) -> int
     if global_batch % parts:
         raise ValueError(f"training.batch_size={global_batch} must be a multiple of workers x grad_accum = {parts}")
     return global_batch // parts
-
-
-def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean cross-entropy over every prediction (a class per image, or a token per position)."""
-    flat = logits.reshape(-1, logits.shape[-1])
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat = flat.float()  # the softmax of an autocast run in fp32
-    return F.cross_entropy(flat, targets.reshape(-1))
 
 
 def autocast(cfg: RunConfig, device: torch.device) -> contextlib.AbstractContextManager[Any]:
@@ -78,8 +70,9 @@ def train_step(
     scaler: torch.amp.GradScaler | None = None,
     inject_nan: bool = False,
     pipeline: pp.Pipeline | None = None,
+    task: Task | None = None,
 ) -> StepResult:
-    """One optimizer step over ``grad_accum`` equal micro-batches.
+    """One optimizer step over ``grad_accum`` equal micro-batches, with ``task``'s loss (default: classification).
 
     Each micro-batch loss is a mean over its samples, divided by the number of micro-batches, so
     the summed gradient equals the gradient of the mean loss over the whole local batch; DDP then
@@ -90,6 +83,7 @@ def train_step(
     form one batch that the schedule splits into ``parallel.microbatches`` itself.
     """
     model.train()
+    task = task or Classification()
     scaling = scaler is not None and scaler.is_enabled()
     if pipeline is not None:
         total = pp.forward_backward(micro_batches, pipeline, ctx)
@@ -99,7 +93,7 @@ def train_step(
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
             with gradient_sync(model, i == accum - 1), autocast(cfg, ctx.device):
-                loss = loss_fn(model(x), y) / accum
+                loss = task.loss(model(x), y) / accum
                 if inject_nan and i == accum - 1:
                     loss = loss * float("nan")
             (scaler.scale(loss) if scaling else loss).backward()
@@ -151,30 +145,41 @@ def evaluate(
     ctx: WorkerContext,
     prefix: str,
     pipeline: pp.Pipeline | None = None,
+    task: Task | None = None,
 ) -> dict[str, float]:
-    """Loss and accuracy over ``dataset``: each replica takes a strided share, one rank per replica
-    counts it, and the sums are all-reduced."""
+    """``task``'s metrics over ``dataset`` (default: classification's loss and accuracy): each replica
+    takes a strided share, one rank per replica sums it, and the sums are all-reduced."""
     model.eval()
-    loss_sum, correct, count = 0.0, 0.0, 0.0
+    task = task or Classification()
+    totals: dict[str, float] = {}
     shard, shards = ctx.data_shard
     # A pipeline's stages were shaped for the training batch: evaluate in batches of that size.
     batch = cfg.training.batch_size // shards if pipeline else max(64, cfg.training.batch_size)
     for x, y in data_lib.eval_batches(dataset, shard, shards, batch):
         x, y = x.to(ctx.device), y.to(ctx.device)
         if pipeline is not None:
-            logits = pp.forward(x, y, batch, pipeline)
+            output = pp.forward(x, y, batch, pipeline)
         else:
             with autocast(cfg, ctx.device):
-                logits = model(x)
-        if logits is None or not ctx.counts_metrics:
+                output = model(x)
+        if output is None or not ctx.counts_metrics:
             continue
-        flat = logits.reshape(-1, logits.shape[-1]).float()
-        loss_sum += F.cross_entropy(flat, y.reshape(-1), reduction="sum").item()
-        correct += (flat.argmax(-1) == y.reshape(-1)).sum().item()
-        count += y.numel()
-    loss_sum, correct, count = all_reduce_sum([loss_sum, correct, count], ctx)
+        for key, value in task.sums(output.float(), y).items():
+            totals[key] = totals.get(key, 0.0) + float(value)
+    keys = _all_keys(totals, ctx)
+    summed = all_reduce_sum([totals.get(k, 0.0) for k in keys], ctx)
     model.train()
-    return {f"{prefix}/loss": loss_sum / max(count, 1), f"{prefix}/accuracy": correct / max(count, 1)}
+    metrics = task.finish(dict(zip(keys, summed)))
+    return {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
+
+
+def _all_keys(totals: dict[str, float], ctx: WorkerContext) -> list[str]:
+    """The names of the sums, the same on every rank (a rank that counted nothing has none of its own)."""
+    if ctx.world_size == 1 or not dist.is_initialized():
+        return sorted(totals)
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, sorted(totals))
+    return sorted({k for keys in gathered for k in keys})
 
 
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:

@@ -356,7 +356,9 @@ def _first_line(exc: BaseException) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The short console summary printed at the end of a run."""
     m = summary["metrics"]
-    keys = ["train/loss", "val/loss", "val/accuracy", "test/loss", "test/accuracy"]
+    keys = ["train/loss"]
+    for prefix in ("val/", "test/"):  # the task's metrics, its loss first
+        keys += sorted((k for k in m if k.startswith(prefix)), key=lambda k, p=prefix: k != f"{p}loss")
     shown = "  ".join(f"{k} {m[k]:.4f}" for k in keys if k in m)
     workers = summary["num_workers"] or "local mode, 1"
     lines = [

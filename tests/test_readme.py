@@ -111,6 +111,9 @@ def user_dir(tmp_path_factory):
     my_net = re.search(r"```python\n# my_net.py\n(.*?)```", readme, re.S)
     assert my_net, "README's my_net.py example is gone"
     (d / "my_net.py").write_text(my_net.group(1))
+    my_task = re.search(r"```python\n# my_task.py\n(.*?)```", readme, re.S)
+    assert my_task, "README's my_task.py example is gone"
+    (d / "my_task.py").write_text(my_task.group(1))
     (d / "my_csvs").mkdir()
     rows = ["a,b,y", *(f"{i % 7},{(i * 3) % 5},{i % 2}" for i in range(200))]
     (d / "my_csvs" / "part.csv").write_text("\n".join(rows) + "\n")
@@ -158,6 +161,16 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         assert runs.iloc[0]["tags.rayjobs.model_uri"].startswith("models:/")
     if "--summary out.json" in cmd.text:
         assert json.loads((cwd / "out.json").read_text())["metrics"]["step"] == 2 * (1257 // 64)
+    if cmd.text == "rayjobs train --config regression-diabetes":
+        r2 = re.findall(r"test/r2 (-?\d\.\d+)", out)
+        assert r2 and float(r2[-1]) >= 0.4, out[-3000:]
+    if "task.name=my_task:build" in cmd.text:  # the user's own metric, printed and in MLflow
+        assert re.search(r"val/within_half \d\.\d+", out), out[-3000:]
+        import mlflow
+
+        mlflow.set_tracking_uri(f"sqlite:///{cwd / 'results' / 'mlflow.db'}")
+        runs = mlflow.search_runs(experiment_names=["rayjobs"], filter_string="metrics.`val/within_half` >= 0")
+        assert len(runs) >= (3 if cmd.text.startswith("rayjobs tune") else 1), runs
     if cmd.text == "rayjobs configs":
         assert "gpt-fsdp " in out and "digits " in out
     if "raise_at_step=53" in cmd.text and cmd.expect_rc == 0:

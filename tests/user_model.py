@@ -25,3 +25,50 @@ class _Broken(nn.Module):
 def build_broken() -> nn.Module:
     """A model whose forward pass raises, for tests of a failed training."""
     return _Broken()
+
+
+class Huber:
+    """A user's regression task (outside rayjobs): Huber loss; mae and the share within 0.5."""
+
+    name, targets = "huber", "real"
+    metrics = ("loss", "mae", "within_half")
+    metric, mode = "within_half", "max"
+
+    def __init__(self, delta: float = 1.0) -> None:
+        self.delta = delta
+
+    def loss(self, output, target):
+        import torch.nn.functional as F
+
+        return F.huber_loss(output.reshape(target.shape), target, delta=self.delta)
+
+    def sums(self, output, target) -> dict[str, float]:
+        import torch.nn.functional as F
+
+        pred = output.reshape(target.shape).float()
+        err = (pred - target).abs()
+        huber = F.huber_loss(pred, target, delta=self.delta, reduction="sum")
+        return {"huber": huber.item(), "abs": err.sum().item(), "hits": (err < 0.5).sum().item(), "n": target.numel()}
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        n = max(sums["n"], 1)
+        return {"loss": sums["huber"] / n, "mae": sums["abs"] / n, "within_half": sums["hits"] / n}
+
+
+def huber_task(delta: float = 1.0) -> Huber:
+    """A user's task builder."""
+    return Huber(delta)
+
+
+class Half:
+    """A task that forgot sums and finish."""
+
+    name, targets, metrics, metric, mode = "half", "real", ("loss",), "loss", "min"
+
+    def loss(self, output, target):
+        return (output - target).pow(2).mean()
+
+
+def half_task() -> Half:
+    """A user's task builder whose task is incomplete."""
+    return Half()

@@ -128,3 +128,67 @@ def test_max_steps_caps_training_and_bf16_runs_on_cpu(tmp_path):
     )
     m = train.run(cfg)["metrics"]
     assert m["step"] == 7 and m["val/loss"] == m["val/loss"]  # finite, not NaN
+
+
+def test_a_users_task_trains_in_local_mode_and_mlflow_holds_its_metric(tmp_path):
+    """`task.name: module:callable` (tests/user_model.py, outside rayjobs): its loss is trained, its
+    metrics are evaluated, reported, summarized and logged to MLflow."""
+    import mlflow
+
+    from rayjobs import train
+
+    cfg = load_config(
+        "regression-diabetes",
+        [f"run.storage_path={tmp_path}", "scaling.num_workers=0", "task.name=user_model:huber_task"],
+    )
+    assert (cfg.tune.metric, cfg.tune.mode) == ("val/within_half", "max")
+    summary = train.run(cfg)
+    m = summary["metrics"]
+    assert m["test/within_half"] > 0.3 and m["val/mae"] < 0.7, m
+    history = [h for h in read_history(summary["history"]) if "val/within_half" in h]
+    assert [h["step"] for h in history] == [90, 180, 270, 360]
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    logged = mlflow.get_run(summary["mlflow_run_id"]).data.metrics
+    assert logged["val/within_half"] == pytest.approx(history[-1]["val/within_half"])
+    assert "test/within_half" in logged
+
+
+def _regression_eval_worker(rank: int, world: int, port: int, out: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from rayjobs import tasks
+    from rayjobs.data import diabetes
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(10, 1)
+        cfg = from_dict({"model": {"name": "mlp"}, "data": {"name": "diabetes"}, "training": {"batch_size": 8}})
+        ctx = WorkerContext.from_process_group()
+        got = stepping.evaluate(model, diabetes().val, cfg, ctx, "val", task=tasks.Regression())
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(got, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_regression_metrics_over_two_ranks_equal_one_process(tmp_path):
+    """Each rank evaluates its strided share; the task's sums are all-reduced: r2 of the whole split."""
+    from conftest import free_port, spawn_ranks
+
+    from rayjobs import tasks
+    from rayjobs.data import diabetes
+
+    spawn_ranks(_regression_eval_worker, 2, (2, free_port(), str(tmp_path / "two.json")))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(10, 1)
+    cfg = from_dict({"model": {"name": "mlp"}, "data": {"name": "diabetes"}})
+    one = stepping.evaluate(model, diabetes().val, cfg, CPU, "val", task=tasks.Regression())
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert set(one) == {"val/loss", "val/mse", "val/mae", "val/r2"}
+    assert two == pytest.approx(one, rel=1e-6)  # float32 batch sums, other batch sizes

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 from models import build_model
 from rayjobs import checkpoint as ckpt
-from rayjobs import parallel, stepping
+from rayjobs import parallel, stepping, tasks
 from rayjobs.checkpoint import Saver, TrainState
 from rayjobs.config import from_dict
 from rayjobs.context import WorkerContext
@@ -94,7 +94,7 @@ def _worker(rank: int, world: int, port: int, strategy: str, extra: dict, out: s
         per = GLOBAL_BATCH // shards
 
         def parallelized(seed: int):
-            par = parallel.apply(_model(cfg, seed), cfg, ctx, layout, stepping.loss_fn)
+            par = parallel.apply(_model(cfg, seed), cfg, ctx, layout, tasks.LanguageModel().loss)
             return par, stepping.build_optimizer(par.model, cfg)
 
         def step(par, opt, x, y):
@@ -219,7 +219,7 @@ def test_compile_and_checkpointing_keep_the_losses_and_the_checkpoint_names(tmp_
 def test_dataparallel_is_one_worker_and_recommends_ddp(capsys):
     cfg = _cfg("dataparallel", {})
     ctx, layout = parallel.place(cfg, WorkerContext(0, 1, 0, torch.device("cpu")))
-    par = parallel.apply(_model(cfg), cfg, ctx, layout, stepping.loss_fn)
+    par = parallel.apply(_model(cfg), cfg, ctx, layout, tasks.LanguageModel().loss)
     # On CPU there is one device: the model itself; with several GPUs, nn.DataParallel over all of them.
     expected = torch.nn.DataParallel if torch.cuda.device_count() > 1 else type(_model(cfg))
     assert isinstance(par.model, expected)

@@ -47,7 +47,10 @@ def test_bad_search_spaces_are_one_line_errors(overrides, expected):
 def test_a_metric_no_trial_reports_is_refused():
     from rayjobs.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="tune.metric: must be one of val/loss, val/accuracy, train/loss"):
+    with pytest.raises(
+        ConfigError,
+        match="tune.metric: task classification reports val/loss, val/accuracy, train/loss at every eval, not 'val/f1'",
+    ):
         load_config(TUNE, ["tune.metric=val/f1"])
 
 

@@ -1,0 +1,101 @@
+"""Tasks: the loss and the metrics of a batch; sums that reduce exactly; the config's task checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sklearn.metrics import mean_absolute_error, mean_squared_error, r2_score
+
+from rayjobs import tasks
+from rayjobs.config import load_config
+from rayjobs.errors import ConfigError
+
+
+def _merge(parts: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(p[k] for p in parts) for k in parts[0]}
+
+
+def test_regression_metrics_equal_scikit_learns_and_sum_exactly_over_shards():
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(101, generator=g) * 3 + 1
+    pred = y + torch.randn(101, generator=g)
+    task = tasks.Regression()
+    whole = task.finish(task.sums(pred.unsqueeze(1), y))  # a (N, 1) output for N targets
+    assert whole["r2"] == pytest.approx(r2_score(y, pred), rel=1e-5)
+    assert whole["mse"] == pytest.approx(mean_squared_error(y, pred), rel=1e-5) == whole["loss"]
+    assert whole["mae"] == pytest.approx(mean_absolute_error(y, pred), rel=1e-5)
+    assert task.loss(pred.unsqueeze(1), y).item() == pytest.approx(whole["mse"], rel=1e-5)
+    # Three unequal shards (three ranks): the sums of the shards give the whole split's metrics.
+    cuts = [(0, 10), (10, 60), (60, 101)]
+    sharded = task.finish(_merge([task.sums(pred[a:b], y[a:b]) for a, b in cuts]))
+    assert sharded == pytest.approx(whole, rel=1e-6)
+    # An average of the shards' r2 would not be the split's r2: the reason the task sums.
+    mean_of_r2 = sum(r2_score(y[a:b], pred[a:b]) for a, b in cuts) / len(cuts)
+    assert abs(mean_of_r2 - whole["r2"]) > 1e-3
+
+
+def test_classification_and_lm_keep_todays_loss_and_accuracy():
+    g = torch.Generator().manual_seed(1)
+    logits, y = torch.randn(40, 10, generator=g), torch.randint(0, 10, (40,), generator=g)
+    got = tasks.Classification().finish(tasks.Classification().sums(logits, y))
+    assert got["loss"] == pytest.approx(torch.nn.functional.cross_entropy(logits, y).item(), rel=1e-6)
+    assert got["accuracy"] == (logits.argmax(-1) == y).sum().item() / 40
+    tokens, targets = torch.randn(4, 6, 32, generator=g), torch.randint(0, 32, (4, 6), generator=g)
+    lm = tasks.LanguageModel()
+    metrics = lm.finish(lm.sums(tokens, targets))
+    assert metrics["perplexity"] == pytest.approx(torch.exp(lm.loss(tokens, targets)).item(), rel=1e-5)
+
+
+def test_a_shape_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match=r"output \(8, 10\) does not match the targets \(8,\)"):
+        tasks.Regression().loss(torch.zeros(8, 10), torch.zeros(8))
+    with pytest.raises(ValueError, match=r"output \(8,\) does not match the targets \(8,\)"):
+        tasks.Classification().loss(torch.zeros(8), torch.zeros(8, dtype=torch.long))
+
+
+def test_a_users_task_is_checked_for_what_rayjobs_asks_of_it():
+    task = tasks.build_task("user_model:huber_task", {"delta": 0.5})
+    assert isinstance(task, tasks.Task) and task.delta == 0.5
+    with pytest.raises(TypeError, match="without sums, finish"):
+        tasks.build_task("user_model:half_task")
+
+
+@pytest.mark.parametrize(
+    "overrides, task, metric, mode",
+    [
+        ([], "classification", "val/accuracy", "max"),
+        (["model.name=gpt", "data.name=synthetic", "data.kwargs.kind=tokens"], "lm", "val/loss", "min"),
+        (["model.name=mlp", "data.name=diabetes"], "regression", "val/r2", "max"),
+        (["model.name=mlp", "data.name=diabetes", "tune.mode=min"], "regression", "val/r2", "min"),
+        (
+            ["model.name=mlp", "data.name=diabetes", "tune.metric=val/mae", "tune.mode=min"],
+            "regression",
+            "val/mae",
+            "min",
+        ),
+    ],
+)
+def test_auto_picks_the_task_from_the_data_and_the_metrics_follow_it(overrides, task, metric, mode):
+    cfg = load_config(None, overrides)
+    assert (cfg.task.name, cfg.tune.metric, cfg.tune.mode) == (task, metric, mode)
+    again = load_config(None, [*overrides, f"task.name={task}"])  # the same when named
+    assert (again.tune.metric, again.tune.mode) == (metric, mode)
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["task.name=regression"], "task.name: task regression needs real-valued targets, but data.name=digits "
+         "gives integer class labels; pick a task for this data (or task.name=auto)"),
+        (["task.name=clasification"], "task.name: unknown task 'clasification' (did you mean 'classification'?); "
+         "known: classification | lm | regression (or package.module:callable)"),
+        (["model.name=mlp", "data.name=diabetes", "checkpoint.metric=val/accuracy"], "checkpoint.metric: task "
+         "regression reports val/loss, val/mse, val/mae, val/r2, train/loss at every eval, not 'val/accuracy'"),
+        (["task.name=user_model:half_task"], "task.name: cannot build 'user_model:half_task': TypeError: "
+         "user_model:half_task returned a Half without sums, finish (see rayjobs.tasks.Task)"),
+    ],
+)  # fmt: skip
+def test_a_task_that_does_not_fit_is_one_line(overrides, line):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert str(err.value).splitlines() == [line]
