@@ -101,7 +101,8 @@ class ModelSection(Section):
 class DataSection(Section):
     name: str = Field(
         "digits",
-        description="Dataset: digits | diabetes | synthetic (in memory); parquet | csv | images | text (Ray Data).",
+        description="Dataset: digits | diabetes | synthetic (in memory); parquet | csv | images | text (Ray Data); "
+        "package.module:callable returning your (train, val[, test]) torch Datasets.",
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the dataset loader.")
 
@@ -115,9 +116,9 @@ class DataSection(Section):
     @property
     def kind(self) -> str:
         """The kind of samples this dataset gives: image or tokens."""
-        from rayjobs.data import DATASETS
+        from rayjobs.data import spec
 
-        return DATASETS[self.name].kind(self.kwargs)
+        return spec(self.name).kind(self.kwargs)
 
 
 class TaskSection(Section):
@@ -432,17 +433,17 @@ class RunConfig(Section):
         self._task_fits()
         if not self.run.name:
             base = self.model.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
-            self.run.name = f"{base}-{self.data.name}"
+            self.run.name = f"{base}-{self.data.name.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         return self
 
     def _task_fits(self) -> None:
         """The task exists, suits the data's targets, and reports the metrics tune and checkpoints rank by;
         ``task.name: auto`` becomes the task the data implies, and metrics left unset become the task's."""
         from rayjobs import tasks
-        from rayjobs.data import DATASETS
+        from rayjobs.data import spec
 
-        spec = DATASETS[self.data.name]
-        targets = "class" if spec.streaming else spec.info(self.data.kwargs).targets  # files are read in preflight
+        data = spec(self.data.name)
+        targets = "class" if data.streaming else data.info(self.data.kwargs).targets  # files are read in preflight
         if self.task.name == "auto":
             self.task.name = tasks.default_task(self.data.kind, targets)
         if self.task.name not in tasks.SHIPPED and not _is_import_path(self.task.name):
@@ -508,11 +509,14 @@ def _is_import_path(name: str) -> bool:
 
 
 def _data_problems(d: DataSection) -> list[tuple[str, str]]:
-    from rayjobs.data import DATASETS, SYNTHETIC_KINDS
+    from rayjobs.data import DATASETS, SYNTHETIC_KINDS, spec
 
+    if _is_import_path(d.name):
+        return _user_data_problems(d, spec(d.name))
     if d.name not in DATASETS:
         hint = _did_you_mean(d.name, list(DATASETS))
-        return [("data.name", f"unknown dataset {d.name!r}{hint}; known: {' | '.join(DATASETS)}")]
+        known = " | ".join(DATASETS)
+        return [("data.name", f"unknown dataset {d.name!r}{hint}; known: {known} (or package.module:callable)")]
     spec = DATASETS[d.name]
     problems = _kwargs_problems("data.kwargs", spec.load, d.kwargs, f"dataset {spec.name}")
     if spec.streaming and not d.kwargs.get("path"):
@@ -521,6 +525,20 @@ def _data_problems(d: DataSection) -> list[tuple[str, str]]:
         problems.append(
             ("data.kwargs.kind", f"must be one of {', '.join(SYNTHETIC_KINDS)}, got {spec.kind(d.kwargs)!r}")
         )
+    return problems
+
+
+def _user_data_problems(d: DataSection, spec: Any) -> list[tuple[str, str]]:
+    """A user's ``package.module:callable`` datasets: importable, its kwargs accepted, and what it
+    returns usable (it is loaded once here, on the driver, and once in each worker)."""
+    from models.registry import resolve_callable
+
+    try:
+        problems = _kwargs_problems("data.kwargs", resolve_callable(d.name), d.kwargs, d.name)
+        if not problems:
+            spec.info(d.kwargs)
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's code is the user's to fix
+        return [("data.name", f"cannot load {d.name!r}: {type(exc).__name__}: {exc}")]
     return problems
 
 

@@ -168,9 +168,72 @@ DATASETS.update(
 SYNTHETIC_KINDS = ("image", "tokens")
 
 
+def spec(name: str) -> DataSpec:
+    """The named dataset, or a user's ``package.module:callable`` (see ``user_splits``)."""
+    if ":" not in name:
+        return DATASETS[name]
+
+    def load_user(**kwargs: Any) -> Splits:
+        return _user_cache(name, kwargs)
+
+    return DataSpec(
+        name,
+        load_user,
+        lambda kw: load_user(**kw).info.kind,
+        f"your datasets from {name}",
+        lambda kw: load_user(**kw).info,
+    )
+
+
+_USER_SPLITS: dict[str, Splits] = {}
+
+
+def _user_cache(name: str, kwargs: dict[str, Any]) -> Splits:
+    import json
+
+    key = f"{name} {json.dumps(kwargs, sort_keys=True, default=str)}"
+    if key not in _USER_SPLITS:  # the driver checks kind and targets, then loads: one call of the user's code
+        from models.registry import resolve_callable
+
+        _USER_SPLITS[key] = user_splits(resolve_callable(name)(**kwargs), name)
+    return _USER_SPLITS[key]
+
+
+def user_splits(result: Any, name: str) -> Splits:
+    """A user's datasets as Splits: a Splits, or (train, val[, test]) map-style datasets of (x, y)
+    samples, or a dict with those keys. What the model needs to know is read from the samples: x's
+    shape; integer y are classes (max + 1 over train; tokens when x is an integer sequence too), float
+    y are real-valued targets (regression, one output per element of y)."""
+    if isinstance(result, Splits):
+        return result
+    if isinstance(result, dict):
+        result = (result.get("train"), result.get("val"), result.get("test"))
+    parts = list(result) if isinstance(result, (tuple, list)) else []
+    if len(parts) == 2:
+        parts.append(None)
+    if len(parts) != 3 or not all(isinstance(p, Dataset) for p in parts[:2]):
+        raise TypeError(
+            f"{name} must return (train, val[, test]) torch Datasets, a dict of them, or rayjobs.data.Splits; "
+            f"got {type(result).__name__}"
+        )
+    train, val, test = parts
+    sample = train[0]
+    if not isinstance(sample, (tuple, list)) or len(sample) != 2:
+        raise TypeError(f"{name}: a sample must be (x, y) tensors, got {type(sample).__name__}")
+    x, y = (torch.as_tensor(v) for v in sample)
+    if y.is_floating_point():
+        info = DataInfo("image", tuple(x.shape), max(1, y.numel()), targets="real")
+    else:
+        top = max(int(torch.as_tensor(train[i][1]).max()) for i in range(len(train)))  # type: ignore[arg-type]
+        tokens = not x.is_floating_point() and x.ndim == 1 and y.shape == x.shape
+        classes = max(top, int(x.max())) + 1 if tokens else top + 1
+        info = DataInfo("tokens" if tokens else "image", tuple(x.shape), classes)
+    return Splits(train, val, test if test is not None else val, info)
+
+
 def load(name: str, kwargs: dict[str, Any]) -> Splits:
     """Load the named dataset with its kwargs."""
-    return DATASETS[name].load(**kwargs)
+    return spec(name).load(**kwargs)
 
 
 def example_inputs(name: str, kwargs: dict[str, Any], n: int = 4) -> tuple[DataInfo, torch.Tensor]:
@@ -182,22 +245,23 @@ def example_inputs(name: str, kwargs: dict[str, Any], n: int = 4) -> tuple[DataI
     if is_streaming(name):
         from rayjobs import ray_data
 
-        source = DATASETS[name].load(**kwargs)
+        source = spec(name).load(**kwargs)
         return source.info, ray_data.first_inputs(source, kwargs, n)
     splits = load(name, kwargs)
-    return splits.info, splits.test[:n][0]
+    rows = range(min(n, len(splits.test)))  # type: ignore[arg-type]
+    return splits.info, torch.stack([torch.as_tensor(splits.test[i][0]) for i in rows])
 
 
 def train_rows(name: str, kwargs: dict[str, Any]) -> int:
     """Samples in the training split (streamed sources count rows from file metadata)."""
     if is_streaming(name):
-        return DATASETS[name].load(**kwargs).rows["train"]
+        return spec(name).load(**kwargs).rows["train"]
     return len(load(name, kwargs).train)  # type: ignore[arg-type]
 
 
 def is_streaming(name: str) -> bool:
     """Whether the named dataset streams through Ray Data (else it is loaded whole in each worker)."""
-    return DATASETS[name].streaming
+    return spec(name).streaming
 
 
 class InMemory:
@@ -231,7 +295,7 @@ def eval_batches(dataset: Any, rank: int, world_size: int, batch_size: int) -> A
 
 def data_info(name: str, kwargs: dict[str, Any]) -> DataInfo:
     """What a model needs to know about the named dataset, without loading it."""
-    return DATASETS[name].info(kwargs)
+    return spec(name).info(kwargs)
 
 
 def accepted_kwargs(fn: Callable[..., Any]) -> list[str] | None:

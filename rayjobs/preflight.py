@@ -49,7 +49,7 @@ def check_data(cfg: Any) -> Any:
             f"parallel ranks need the same batches: use parallel.strategy ddp, fsdp or hsdp"
         )
     try:
-        return data_lib.DATASETS[cfg.data.name].load(**cfg.data.kwargs)
+        return data_lib.spec(cfg.data.name).load(**cfg.data.kwargs)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
 

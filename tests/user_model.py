@@ -1,5 +1,6 @@
 """A user's own model, outside models/, for tests of ``model.name: package.module:callable``."""
 
+import torch
 from torch import nn
 
 
@@ -72,3 +73,30 @@ class Half:
 def half_task() -> Half:
     """A user's task builder whose task is incomplete."""
     return Half()
+
+
+class _Rows(torch.utils.data.Dataset):
+    """A plain map-style dataset (not a TensorDataset) of (features, target) rows."""
+
+    def __init__(self, x, y) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+def sine_data(rows: int = 512, noise: float = 0.05):
+    """A user's regression data: y = sin(3 x0) + x1 / 2 + noise, as (train, val, test) datasets."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(rows, 2, generator=g) * 2 - 1
+    y = torch.sin(3 * x[:, 0]) + x[:, 1] / 2 + noise * torch.randn(rows, generator=g)
+    a, b = rows * 7 // 10, rows * 85 // 100
+    return _Rows(x[:a], y[:a]), _Rows(x[a:b], y[a:b]), _Rows(x[b:], y[b:])
+
+
+def two_things():
+    """Not datasets."""
+    return [1, 2]

@@ -91,6 +91,11 @@ def test_auto_picks_the_task_from_the_data_and_the_metrics_follow_it(overrides, 
          "known: classification | lm | regression (or package.module:callable)"),
         (["model.name=mlp", "data.name=diabetes", "checkpoint.metric=val/accuracy"], "checkpoint.metric: task "
          "regression reports val/loss, val/mse, val/mae, val/r2, train/loss at every eval, not 'val/accuracy'"),
+        (["data.name=user_model:two_things", "model.name=mlp"], "data.name: cannot load 'user_model:two_things': "
+         "TypeError: user_model:two_things must return (train, val[, test]) torch Datasets, a dict of them, or "
+         "rayjobs.data.Splits; got list"),
+        (["data.name=user_model:sine_data", "data.kwargs.rowz=9", "model.name=mlp"], "data.kwargs.rowz: "
+         "user_model:sine_data takes no argument 'rowz' (did you mean 'rows'?); allowed: rows, noise"),
         (["task.name=user_model:half_task"], "task.name: cannot build 'user_model:half_task': TypeError: "
          "user_model:half_task returned a Half without sums, finish (see rayjobs.tasks.Task)"),
     ],
@@ -99,3 +104,24 @@ def test_a_task_that_does_not_fit_is_one_line(overrides, line):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert str(err.value).splitlines() == [line]
+
+
+def test_a_users_datasets_give_what_the_model_needs_to_know():
+    from rayjobs import data
+
+    splits = data.load("user_model:sine_data", {"rows": 100})
+    assert (splits.info.kind, splits.info.input_shape, splits.info.num_classes, splits.info.targets) == (
+        "image",
+        (2,),
+        1,
+        "real",
+    )
+    assert (len(splits.train), len(splits.val), len(splits.test)) == (70, 15, 15)
+    x, y = splits.train[0]
+    classes = data.user_splits((torch.utils.data.TensorDataset(x.repeat(5, 1), torch.arange(5)),) * 2, "mine")
+    assert (classes.info.num_classes, classes.info.targets, classes.test is classes.val) == (5, "class", True)
+    seq = torch.arange(8)
+    tokens = data.user_splits([torch.utils.data.TensorDataset(seq[None, :-1], seq[None, 1:])] * 2, "mine")
+    assert (tokens.info.kind, tokens.info.num_classes) == ("tokens", 8)
+    cfg = load_config(None, ["data.name=user_model:sine_data", "model.name=mlp"])
+    assert (cfg.task.name, cfg.run.name) == ("regression", "mlp-sine_data")
