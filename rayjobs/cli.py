@@ -50,6 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="build a checkpoint whose model is this module:callable (it runs that code); registry models need nothing",
     )
 
+    ev = sub.add_parser("eval", help="a checkpoint's task metrics on a split of its data (or other data of its shape)")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    ev.add_argument("--split", default="test", help="test (default), val or train")
+    ev.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="other data or task: data.name=..., data.kwargs.X=..., task.name=... (repeatable)",
+    )
+    ev.add_argument("--summary", metavar="PATH", help="write the metrics as JSON here")
+    ev.add_argument(
+        "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
+    )
+
     ui = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1 over this project's tracking store")
     ui.add_argument("--storage-path", default="results", help="the run.storage_path whose mlflow.db to serve")
     ui.add_argument("--port", type=int, default=5000)
@@ -135,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
             _checkpoints(args)
         elif args.command == "export":
             _export(args)
+        elif args.command == "eval":
+            _eval(args)
         elif args.command == "screenshot":
             from rayjobs.screenshot import take
 
@@ -358,6 +376,18 @@ def _export(args: argparse.Namespace) -> None:
         f"exported {info['tensors']} tensors ({info['parameters']:,} parameters) of "
         f"{info['model']}/{info['flavor']} to {args.out}"
     )
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from rayjobs.evaluation import evaluate_checkpoint, format_eval
+    from rayjobs.train import write_summary
+
+    if not os.path.isdir(args.checkpoint):
+        raise ConfigError(f"eval: no checkpoint directory at {args.checkpoint}")
+    result = evaluate_checkpoint(args.checkpoint, args.split, args.overrides, args.trust_model)
+    print(format_eval(result))
+    if args.summary:
+        write_summary(result, args.summary)
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -171,6 +171,14 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         mlflow.set_tracking_uri(f"sqlite:///{cwd / 'results' / 'mlflow.db'}")
         runs = mlflow.search_runs(experiment_names=["rayjobs"], filter_string="metrics.`val/within_half` >= 0")
         assert len(runs) >= (3 if cmd.text.startswith("rayjobs tune") else 1), runs
+    if cmd.text.startswith("rayjobs eval results/digits-ddp/"):  # the run's own test accuracy, exactly
+        import mlflow
+
+        mlflow.set_tracking_uri(f"sqlite:///{cwd / 'results' / 'mlflow.db'}")
+        runs = mlflow.search_runs(experiment_names=["rayjobs"], filter_string="tags.`run.name` = 'digits-ddp'")
+        evaluated = json.loads((cwd / "eval.json").read_text())["metrics"]
+        assert evaluated["test/accuracy"] == runs.iloc[0]["metrics.test/accuracy"], (evaluated, runs.iloc[0])
+        assert f"test/accuracy {evaluated['test/accuracy']:.4f}" in out
     if cmd.text == "rayjobs configs":
         assert "gpt-fsdp " in out and "digits " in out
     if "raise_at_step=53" in cmd.text and cmd.expect_rc == 0:

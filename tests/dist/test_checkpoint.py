@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, checkpoint_weights, subprocess_env
+from conftest import REPO, checkpoint_weights, run_cli, subprocess_env
 
 from rayjobs import checkpoint as ckpt
 from rayjobs import train
@@ -364,3 +364,34 @@ def test_a_commit_flushes_every_file_before_the_manifest_and_prunes_after(tmp_pa
     after = names[rename + 1 :]
     assert after[:2] == [("fsync", ckpt.name_for(20)), ("fsync", "order")], after
     assert ("prune", ckpt.name_for(10)) in after[2:], after
+
+
+def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted, tmp_path):
+    """`rayjobs eval CHECKPOINT`: the run's own test metrics (local mode: the same sums, so equal);
+    other data of another shape, a wrong split and a missing checkpoint are one line each."""
+    out = tmp_path / "eval.json"
+    proc = run_cli("eval", uninterrupted["checkpoint"], "--summary", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["step"] == STEPS and got["task"] == "classification" and got["rows"] == 270
+    m = uninterrupted["metrics"]
+    assert got["metrics"] == {"test/loss": m["test/loss"], "test/accuracy": m["test/accuracy"]}
+    assert f"test/accuracy {m['test/accuracy']:.4f}" in proc.stdout
+    val = run_cli("eval", uninterrupted["checkpoint"], "--split", "val")
+    assert f"val/accuracy {m['val/accuracy']:.4f}" in val.stdout, val.stdout + val.stderr
+    bad = run_cli(
+        "eval", uninterrupted["checkpoint"], "--set", "data.name=synthetic", "--set", "data.kwargs.shape=[1, 4, 4]"
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        f"rayjobs: error: eval: checkpoint {uninterrupted['checkpoint']} was trained on inputs (1, 8, 8) with 10 "
+        "output(s) (class targets), but data.name=synthetic gives inputs (1, 4, 4) with 10 (class targets); "
+        "evaluate it on data of the same shape"
+    ]
+    for args, line in [
+        (["--split", "dev"], "eval: --split must be one of test, val, train, got 'dev'"),
+        (["--set", "optim.lr=1"], "eval: --set optim.lr=1: only data.*, task.*, training.batch_size and precision apply"),
+    ]:
+        proc = run_cli("eval", uninterrupted["checkpoint"], *args)
+        assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {line}", proc.stderr
+    proc = run_cli("eval", str(tmp_path / "nope"))
+    assert proc.stderr.strip() == f"rayjobs: error: eval: no checkpoint directory at {tmp_path / 'nope'}"
