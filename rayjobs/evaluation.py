@@ -24,10 +24,10 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """{checkpoint, run_name, step, split, data, task, metrics}: the task's metrics of ``checkpoint`` on
     ``split``; a ConfigError (one line) for a checkpoint and data that do not fit."""
-    from rayjobs import data as data_lib
-    from rayjobs import stepping, tasks
     import json
 
+    from rayjobs import data as data_lib
+    from rayjobs import stepping, tasks
     from rayjobs.checkpoint import STATE, CheckpointError, load_for_inference, saved_config
     from rayjobs.config import apply_override, from_dict
     from rayjobs.context import WorkerContext
