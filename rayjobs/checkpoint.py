@@ -74,6 +74,8 @@ class TrainState:
     samples: int = 0
     data_wait_s: float = 0.0  # time the loop waited for its next batches
     metrics: dict[str, float] = field(default_factory=dict)
+    best: float | None = None  # training.early_stop: the best value of its metric so far
+    evals_since_best: int = 0
 
 
 @dataclass

@@ -140,6 +140,13 @@ class OptimSection(Section):
     grad_clip: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 = off.")
 
 
+class EarlyStopSection(Section):
+    metric: str = Field("", description="Eval metric watched (val/...); empty: the task's (val/accuracy, val/r2, ...).")
+    mode: Literal["", "min", "max"] = Field("", description="Whether lower or higher is better; empty: the task's.")
+    patience: int = Field(0, ge=0, description="Stop after this many evals without improvement; 0 = off.")
+    min_delta: float = Field(0.0, ge=0, description="An improvement must beat the best by more than this.")
+
+
 class TrainingSection(Section):
     epochs: int = Field(10, ge=1, description="Passes over the training data.")
     max_steps: int = Field(0, ge=0, description="Stop after this many optimizer steps; 0 = no limit.")
@@ -151,6 +158,9 @@ class TrainingSection(Section):
     log_every: int = Field(20, ge=1, description="Print train loss every N optimizer steps.")
     nan_policy: Literal["stop", "skip"] = Field(
         "stop", description="A NaN/Inf loss on any rank: stop every rank at that step, or skip that step."
+    )
+    early_stop: EarlyStopSection = Field(
+        default_factory=EarlyStopSection, description="Stop a run whose eval metric stops improving."
     )
 
 
@@ -467,8 +477,16 @@ class RunConfig(Section):
             self.tune.metric = f"val/{task.metric}"
             if not given_mode:
                 self.tune.mode = task.mode
+        stop = self.training.early_stop
+        if stop.patience and stop.metric in ("", f"val/{task.metric}"):
+            stop.metric, stop.mode = f"val/{task.metric}", stop.mode or task.mode
+        elif stop.patience and not stop.mode:
+            raise _MultiError(
+                [("training.early_stop.mode", f"set min or max: is a lower or a higher {stop.metric} better?")]
+            )
         allowed = tasks.reported(task)
-        for path, name in (("checkpoint.metric", self.checkpoint.metric), ("tune.metric", self.tune.metric)):
+        watched = [("checkpoint.metric", self.checkpoint.metric), ("tune.metric", self.tune.metric)]
+        for path, name in watched + ([("training.early_stop.metric", stop.metric)] if stop.patience else []):
             if name not in allowed:
                 raise _MultiError(
                     [(path, f"task {task.name} reports {', '.join(allowed)} at every eval, not {name!r}")]

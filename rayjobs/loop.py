@@ -73,6 +73,7 @@ class Run:
     mlflow: Any = None  # rank 0's MetricsLogger (None elsewhere, or without tracking)
     saved_at_step: int = -1
     loggers: list[Any] = field(default_factory=list)
+    early_stopped: dict[str, float] = field(default_factory=dict)  # early_stop/step and /best once it stopped
 
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -228,6 +229,8 @@ def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> None:
         state.metrics = summarize(run, result.grad_norm)
         if run.mlflow is not None:
             run.mlflow.log(state.metrics, state.step)
+        if early_stop_due(run):
+            run.stop_at = state.step  # the loop ends here: test metrics and the final checkpoint follow
     if do_save:
         path = run.saver.save(
             state.step, run.model, run.optimizer, run.scheduler, run.scaler, state, force_sync=preempted
@@ -238,11 +241,36 @@ def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> None:
     run.preemption.exit_if_requested(run.ctx)
 
 
+def early_stop_due(run: Run) -> bool:
+    """``training.early_stop``: track the best eval value; True once ``patience`` evals in a row did not
+    beat it by more than ``min_delta`` (the same decision on every rank: the metrics are all-reduced)."""
+    stop, state = run.cfg.training.early_stop, run.state
+    value = state.metrics.get(stop.metric)
+    if not stop.patience or value is None:
+        return False
+    if state.best is None or (
+        value > state.best + stop.min_delta if stop.mode == "max" else value < state.best - stop.min_delta
+    ):
+        state.best, state.evals_since_best = value, 0
+        return False
+    state.evals_since_best += 1
+    if state.evals_since_best < stop.patience:
+        return False
+    run.early_stopped = {"early_stop/step": float(state.step), "early_stop/best": float(state.best)}
+    if run.ctx.is_main:
+        log(
+            f"early stop at step {state.step} of {run.total_steps}: {stop.metric} {value:.4f} has not beaten "
+            f"the best {state.best:.4f} by more than {stop.min_delta:g} for {stop.patience} eval(s)"
+        )
+    return True
+
+
 def finish(run: Run) -> dict[str, Any]:
     """Test metrics, the final checkpoint (unless nothing trained since the resumed one), the last report."""
     state = run.state
     run.saver.wait()
-    state.metrics = summarize(run, state.metrics.get("train/grad_norm", 0.0))
+    if not run.early_stopped:  # an early stop came right after this step's eval: its metrics stand
+        state.metrics = summarize(run, state.metrics.get("train/grad_norm", 0.0))
     if run.data.test is not None:
         state.metrics.update(evaluate(run.model, run.data.test, run.cfg, run.ctx, "test", run.pipeline, run.task))
     if run.saved_at_step == state.step and run.resumed_from and state.step == run.resumed_from[1]:
@@ -250,6 +278,7 @@ def finish(run: Run) -> dict[str, Any]:
     else:
         final = run.saver.save(state.step, run.model, run.optimizer, run.scheduler, run.scaler, state, force_sync=True)
     state.metrics["checkpoint/blocked_s"] = sum(run.saver.blocked_s) / max(1, len(run.saver.blocked_s))
+    state.metrics.update(run.early_stopped)
     if run.mlflow is not None:
         run.mlflow.log(state.metrics, state.step)
         if not run.mlflow.close(timeout=30):

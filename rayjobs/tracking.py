@@ -387,6 +387,8 @@ def log_final(tracker: Tracker, run_id: str, summary: dict[str, Any], history: l
     if final and c.get_run(run_id).data.tags.get(MODEL_CHECKPOINT_TAG) != final:
         log_model(tracker, run_id, final)
         tracker.tag(run_id, MODEL_CHECKPOINT_TAG, final)  # a re-run of a finished run logs (and registers) no copy
+    if summary.get("early_stop"):
+        tracker.tag(run_id, "rayjobs.early_stop", summary["early_stop"])
     tracker.end(run_id, "FINISHED")
 
 

@@ -222,6 +222,12 @@ def summarize(prep: Prepared, result: Any, started: float) -> dict[str, Any]:
         "metrics": metrics,
         "history": prep.rundir.metrics,
     }
+    if "early_stop/step" in metrics:
+        stop = prep.cfg.training.early_stop
+        summary["early_stop"] = (
+            f"stopped early at step {metrics['early_stop/step']:.0f}: {stop.metric} did not beat its best "
+            f"{metrics['early_stop/best']:.4f} ({stop.mode}) by more than {stop.min_delta:g} for {stop.patience} eval(s)"
+        )
     if prep.store is not None and summary["checkpoint"]:
         summary["checkpoint_uri"], summary["checkpoint"] = fetch_final(
             prep.store, prep.cfg.run_dir, summary["checkpoint"]
@@ -371,6 +377,8 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if summary.get("checkpoint_uri"):
         lines.append(f"  in bucket:  {summary['checkpoint_uri']}")
+    if summary.get("early_stop"):
+        lines.append(f"  {summary['early_stop']}")
     return "\n".join(lines)
 
 

@@ -192,3 +192,51 @@ def test_regression_metrics_over_two_ranks_equal_one_process(tmp_path):
     two = json.loads((tmp_path / "two.json").read_text())
     assert set(one) == {"val/loss", "val/mse", "val/mae", "val/r2"}
     assert two == pytest.approx(one, rel=1e-6)  # float32 batch sums, other batch sizes
+
+
+def _early(tmp_path, name: str, *extra: str):
+    return load_config(
+        "regression-diabetes",
+        [
+            f"run.storage_path={tmp_path}",
+            f"run.name={name}",
+            "scaling.num_workers=0",
+            "training.eval_every=9",
+            "checkpoint.every_steps=9",
+            "training.early_stop.patience=3",
+            *extra,
+        ],
+    )
+
+
+def test_early_stop_ends_a_plateaued_run_and_says_why_everywhere_even_across_a_resume(tmp_path):
+    """training.early_stop: the task's metric (val/r2, max) watched at every eval; the run ends after
+    `patience` evals without improvement, with test metrics and a final checkpoint; the reason is in
+    the console, the summary and MLflow. A crash before it and a resume stop at the same step."""
+    import mlflow
+
+    from rayjobs import train
+    from rayjobs.errors import TrainingFailed
+
+    cfg = _early(tmp_path, "plateau")
+    assert (cfg.training.early_stop.metric, cfg.training.early_stop.mode) == ("val/r2", "max")
+    summary = train.run(cfg)
+    m, stopped = summary["metrics"], int(summary["metrics"]["early_stop/step"])
+    assert stopped == m["step"] < 360 and stopped % 9 == 0, m
+    assert summary["checkpoint"].endswith(f"checkpoint_{stopped:08d}") and "test/r2" in m
+    r2 = [h["val/r2"] for h in read_history(summary["history"]) if "val/r2" in h]
+    assert max(r2[-4:-1]) <= max(r2[:-3]) and max(r2) == pytest.approx(m["early_stop/best"])  # 3 evals, no gain
+    assert summary["early_stop"] == (
+        f"stopped early at step {stopped}: val/r2 did not beat its best {m['early_stop/best']:.4f} (max) by more "
+        "than 0 for 3 eval(s)"
+    )
+    assert summary["early_stop"] in train.format_summary(summary)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert mlflow.get_run(summary["mlflow_run_id"]).data.tags["rayjobs.early_stop"] == summary["early_stop"]
+
+    crash = f"faults.raise_at_step={stopped - 10}"  # after the best, before the stop: the count must survive
+    with pytest.raises(TrainingFailed):
+        train.run(_early(tmp_path, "crashy", crash))
+    resumed = train.run(_early(tmp_path, "crashy", crash))
+    assert resumed["metrics"]["early_stop/step"] == stopped
+    assert resumed["metrics"]["early_stop/best"] == m["early_stop/best"]
