@@ -32,39 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(tune, "YAML config with a tune: section", "the search summary")
     tune.add_argument("--resume", action="store_true", help="resume the search after its driver died")
 
-    listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
-    listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
-    listing.add_argument(
-        "--storage-path", default="results", help="where run names are looked up (a path, or the run's s3://... URI)"
-    )
-
-    export = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict or safetensors")
-    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
-    export.add_argument(
-        "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
-    )
-    export.add_argument(
-        "--trust-model",
-        default="",
-        metavar="MODULE:CALLABLE",
-        help="build a checkpoint whose model is this module:callable (it runs that code); registry models need nothing",
-    )
-
-    ev = sub.add_parser("eval", help="a checkpoint's task metrics on a split of its data (or other data of its shape)")
-    ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
-    ev.add_argument("--split", default="test", help="test (default), val or train")
-    ev.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="other data or task: data.name=..., data.kwargs.X=..., task.name=... (repeatable)",
-    )
-    ev.add_argument("--summary", metavar="PATH", help="write the metrics as JSON here")
-    ev.add_argument(
-        "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
-    )
+    _add_checkpoint_commands(sub)
 
     ui = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1 over this project's tracking store")
     ui.add_argument("--storage-path", default="results", help="the run.storage_path whose mlflow.db to serve")
@@ -125,6 +93,43 @@ def _add_config_args(parser: argparse.ArgumentParser, config_help: str, summary_
     )
     parser.add_argument("--summary", metavar="PATH", help=f"write {summary_what} as JSON here")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
+    """checkpoints, export, eval: the commands that read a run's checkpoints."""
+    listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
+    listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
+    listing.add_argument(
+        "--storage-path", default="results", help="where run names are looked up (a path, or the run's s3://... URI)"
+    )
+
+    export = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict or safetensors")
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    export.add_argument(
+        "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
+    )
+    export.add_argument(
+        "--trust-model",
+        default="",
+        metavar="MODULE:CALLABLE",
+        help="build a checkpoint whose model is this module:callable (it runs that code); registry models need nothing",
+    )
+
+    ev = sub.add_parser("eval", help="a checkpoint's task metrics on a split of its data (or other data of its shape)")
+    ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    ev.add_argument("--split", default="test", help="test (default), val or train")
+    ev.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="other data or task: data.name=..., data.kwargs.X=..., task.name=... (repeatable)",
+    )
+    ev.add_argument("--summary", metavar="PATH", help="write the metrics as JSON here")
+    ev.add_argument(
+        "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
