@@ -131,13 +131,44 @@ class TaskSection(Section):
 
 
 class OptimSection(Section):
-    name: Literal["adamw", "sgd"] = Field("adamw", description="Optimizer.")
+    name: str = Field(
+        "adamw",
+        description="adamw | sgd | torch.optim.<Name> (e.g. torch.optim.RMSprop) | package.module:callable "
+        "(called with the parameter groups, lr=, weight_decay= and optim.kwargs).",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="More arguments for the optimizer.")
+    decay_norms_and_biases: bool = Field(
+        False, description="Weight decay on biases and norm weights (1-D tensors) too; by default only on matrices."
+    )
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled (adamw) or L2 (sgd) weight decay.")
     momentum: float = Field(0.9, ge=0, lt=1, description="SGD momentum (sgd only).")
     schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 over this many optimizer steps.")
     grad_clip: float = Field(0.0, ge=0, description="Clip the global gradient norm to this value; 0 = off.")
+
+    @field_validator("name")
+    @classmethod
+    def _known_optimizer(cls, v: str) -> str:
+        if v in ("adamw", "sgd"):
+            return v
+        if _is_import_path(v):
+            from models.registry import resolve_callable
+
+            try:
+                resolve_callable(v)
+            except Exception as exc:  # noqa: BLE001 - any import failure is the user's to fix
+                raise ValueError(f"cannot import it: {type(exc).__name__}: {exc}") from None
+            return v
+        if v.startswith("torch.optim."):
+            import torch
+
+            found = getattr(torch.optim, v.removeprefix("torch.optim."), None)
+            if isinstance(found, type) and issubclass(found, torch.optim.Optimizer):
+                return v
+            raise ValueError(f"torch.optim has no optimizer {v.removeprefix('torch.optim.')!r}, got {v!r}")
+        hint = _did_you_mean(v, ["adamw", "sgd"])
+        raise ValueError(f"must be adamw, sgd, torch.optim.<Name> or package.module:callable{hint}, got {v!r}")
 
 
 class EarlyStopSection(Section):

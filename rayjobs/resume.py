@@ -140,7 +140,7 @@ def apply_new_optim_settings(
     scheduler.base_lrs = [cfg.optim.lr for _ in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = cfg.optim.lr * lr_factor(step, cfg, total_steps)
-        group["weight_decay"] = cfg.optim.weight_decay
+        group["weight_decay"] = 0.0 if group.get("no_decay") else cfg.optim.weight_decay
         if "momentum" in group:
             group["momentum"] = cfg.optim.momentum
     scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]

@@ -182,12 +182,36 @@ def _all_keys(totals: dict[str, float], ctx: WorkerContext) -> list[str]:
     return sorted({k for keys in gathered for k in keys})
 
 
+def param_groups(model: nn.Module, cfg: RunConfig) -> list[dict[str, Any]]:
+    """The trainable parameters in groups: weight decay on matrices (linear, conv, embedding weights),
+    none on 1-D tensors (biases, norm weights; ``no_decay``) unless ``optim.decay_norms_and_biases``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.optim.decay_norms_and_biases:
+        return [{"params": params}]
+    decay, no_decay = [p for p in params if p.ndim >= 2], [p for p in params if p.ndim < 2]
+    groups: list[dict[str, Any]] = [{"params": decay}] if decay else []
+    return groups + ([{"params": no_decay, "weight_decay": 0.0, "no_decay": True}] if no_decay else [])
+
+
 def build_optimizer(model: nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
-    """AdamW or SGD over the model's parameters, from ``cfg.optim``."""
+    """``cfg.optim``'s optimizer over ``param_groups``: AdamW, SGD, ``torch.optim.<Name>``, or a user's
+    callable (called with the groups, ``lr=``, ``weight_decay=`` and ``optim.kwargs``)."""
     o = cfg.optim
+    groups = param_groups(model, cfg)
     if o.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=o.lr, weight_decay=o.weight_decay)
+        return torch.optim.SGD(groups, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, **o.kwargs)
+    if o.name == "adamw":
+        return torch.optim.AdamW(groups, lr=o.lr, weight_decay=o.weight_decay, **o.kwargs)
+    if o.name.startswith("torch.optim."):
+        factory = getattr(torch.optim, o.name.removeprefix("torch.optim."))
+    else:
+        from models.registry import resolve_callable
+
+        factory = resolve_callable(o.name)
+    optimizer = factory(groups, lr=o.lr, weight_decay=o.weight_decay, **o.kwargs)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optim.name={o.name} returned {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    return optimizer
 
 
 def lr_factor(step: int, cfg: RunConfig, total_steps: int) -> float:

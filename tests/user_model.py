@@ -100,3 +100,8 @@ def sine_data(rows: int = 512, noise: float = 0.05):
 def two_things():
     """Not datasets."""
     return [1, 2]
+
+
+def lion_like(groups, lr: float, weight_decay: float, beta: float = 0.9):
+    """A user's optimizer factory (here torch's SGD with Nesterov momentum under another name)."""
+    return torch.optim.SGD(groups, lr=lr, weight_decay=weight_decay, momentum=beta, nesterov=True)

@@ -88,7 +88,7 @@ def test_python_dash_m_rayjobs_train_is_the_same_entry():
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "rayjobs: error: optim.lrr: unknown key (did you mean 'lr'?); "
-        "allowed: name, lr, weight_decay, momentum, schedule, warmup_steps, grad_clip"
+        "allowed: name, kwargs, decay_norms_and_biases, lr, weight_decay, momentum, schedule, warmup_steps, grad_clip"
     )
 
 

@@ -66,7 +66,10 @@ def test_print_config_round_trips():
     "overrides, expected",
     [
         (["optim.lr=-1"], "optim.lr: must be > 0, got -1"),
-        (["optim.name=adam"], "optim.name: must be one of 'adamw', 'sgd', got 'adam'"),
+        (
+            ["optim.name=adam"],
+            "optim.name: must be adamw, sgd, torch.optim.<Name> or package.module:callable (did you mean 'adamw'?), got 'adam'",
+        ),
         (["optim.lrr=1"], "optim.lrr: unknown key (did you mean 'lr'?)"),
         (["optimizer.lr=1"], "optimizer: unknown key (did you mean 'optim'?)"),
         (["training.epochs=abc"], "training.epochs: must be an integer, got 'abc'"),
