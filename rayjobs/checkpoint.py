@@ -731,6 +731,21 @@ def load(
     return state
 
 
+def load_weights(path: str | Path, model: nn.Module, ctx: WorkerContext) -> dict[str, Any]:
+    """Only the model weights of a complete checkpoint, into a (possibly wrapped or sharded) model: a warm
+    start at any world size and strategy (DCP reshards). Returns the checkpoint's state.json."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    p = Path(path)
+    problem = verify(p)
+    if problem:
+        raise CheckpointError(f"checkpoint {p} is not usable: {problem}")
+    weights = get_model_state_dict(model)
+    dcp.load({"model": weights}, checkpoint_id=str(p), no_dist=not _distributed(ctx))
+    set_model_state_dict(model, weights)
+    return json.loads((p / STATE).read_text())
+
+
 def load_for_inference(
     checkpoint: str | Path, trust_model: str = "", cfg: Any = None, info: Any = None
 ) -> tuple[nn.Module, Any]:

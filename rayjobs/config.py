@@ -85,6 +85,11 @@ class ModelSection(Section):
         "", description="Size preset of a registry model (every model has 'debug'); empty: its default."
     )
     kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the model builder.")
+    init_from: str = Field(
+        "",
+        description="Warm start: the weights (only: a fresh optimizer, step 0) of a checkpoint PATH, runs:/RUN_ID "
+        "or models:/NAME/VERSION|@ALIAS; a run's own checkpoints take precedence when it restarts.",
+    )
 
     @model_validator(mode="after")
     def _known_model(self) -> ModelSection:

@@ -24,7 +24,7 @@ import torch
 from models import build_model, flops_per_sample
 from rayjobs import data as data_lib
 from rayjobs import devices, memory, parallel, paths, storage, tasks, telemetry
-from rayjobs.checkpoint import Saver, TrainState
+from rayjobs.checkpoint import Saver, TrainState, load_weights
 from rayjobs.config import RunConfig, from_dict, redacted_dump
 from rayjobs.context import WorkerContext, all_reduce_sum, current_context
 from rayjobs.faults import Faults
@@ -152,8 +152,20 @@ def setup(plan: LaunchPlan) -> Run:
         min(total_steps, int(plan.stop_at_step or total_steps)), Preemption(local_mode=plan.local_mode), task,
         saved_at_step=state.step if resumed_from else -1,
     )  # fmt: skip
+    if resumed_from is None and plan.init_from:  # a warm start: weights only, at step 0
+        warm_start(run)
     run.mlflow = start_metrics_logger(run)
     return run
+
+
+def warm_start(run: Run) -> None:
+    """Load ``model.init_from``'s weights (the optimizer stays fresh) and evaluate them before step 1."""
+    saved = load_weights(run.plan.init_from, run.model, run.ctx)
+    metrics = evaluate(run.model, run.data.val, run.cfg, run.ctx, "val", run.pipeline, run.task)
+    if run.ctx.is_main:
+        shown = "  ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+        log(f"warm start from {run.cfg.model.init_from} (step {saved.get('step')} of its run): {shown} at step 0")
+        run.rundir.record_event("warm_start", source=run.cfg.model.init_from, checkpoint=run.plan.init_from, **metrics)
 
 
 def train(run: Run) -> dict[str, Any]:

@@ -68,6 +68,8 @@ def resolve(cfg: Any) -> list[str]:
         cfg.data.kwargs = kwargs
     if cfg.checkpoint.resume_from and not is_uri(cfg.checkpoint.resume_from):
         cfg.checkpoint.resume_from = os.path.abspath(os.path.expanduser(cfg.checkpoint.resume_from))
+    if cfg.model.init_from and ":/" not in cfg.model.init_from:  # a path, not runs:/ or models:/
+        cfg.model.init_from = os.path.abspath(os.path.expanduser(cfg.model.init_from))
     cfg.tracking.uri = _absolute_file_uri(cfg.tracking.uri)
     return notes
 

@@ -68,6 +68,7 @@ class LaunchPlan:
     storage_mark: str | None = None  # the driver's mark every worker must read (shared storage)
     tracking: TrackingPlan | None = None
     stream: StreamPlan | None = None
+    init_from: str = ""  # model.init_from resolved by the driver to a local checkpoint directory
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict for ``train_loop_config`` (nested plans as dicts)."""

@@ -72,6 +72,59 @@ def check_resume_from(cfg: Any) -> None:
     cfg.checkpoint.resume_from = path
 
 
+def check_init_from(cfg: Any) -> str:
+    """``model.init_from`` as a local checkpoint directory of the same model (checked before Ray starts):
+    a path, ``runs:/RUN_ID`` (the checkpoint its model was logged from) or ``models:/NAME/VERSION|@ALIAS``."""
+    source = cfg.model.init_from
+    if not source:
+        return ""
+    import os
+
+    from rayjobs.checkpoint import saved_config, verify
+    from rayjobs.errors import ConfigError
+
+    path = _mlflow_checkpoint(cfg, source) if source.startswith(("runs:/", "models:/")) else source
+    if not os.path.isdir(path):
+        raise ConfigError(f"model.init_from: no checkpoint directory at {path}")
+    problem = verify(path)
+    if problem:
+        raise ConfigError(f"model.init_from: {path} is not a complete checkpoint: {problem}")
+    model = saved_config(path).get("model") or {}
+    theirs = (model.get("name"), model.get("flavor"), model.get("kwargs") or {})
+    if theirs != (cfg.model.name, cfg.model.flavor, cfg.model.kwargs):
+        raise ConfigError(
+            f"model.init_from: {source} holds {theirs[0]}/{theirs[1]} {theirs[2]}, but this run builds "
+            f"{cfg.model.name}/{cfg.model.flavor} {cfg.model.kwargs}: warm-start the same model"
+        )
+    return path
+
+
+def _mlflow_checkpoint(cfg: Any, source: str) -> str:
+    """The checkpoint directory an MLflow run's model was logged from (its ``rayjobs.model_checkpoint`` tag)."""
+    from mlflow import MlflowClient
+
+    from rayjobs.errors import ConfigError
+    from rayjobs.tracking import MODEL_CHECKPOINT_TAG, tracking_uri
+
+    client = MlflowClient(tracking_uri(cfg))
+    try:
+        if source.startswith("models:/"):
+            name, _, version = source.removeprefix("models:/").partition("/")
+            if "@" in name:
+                name, alias = name.split("@", 1)
+                run_id = client.get_model_version_by_alias(name, alias).run_id
+            else:
+                run_id = client.get_model_version(name, version or "1").run_id
+        else:
+            run_id = source.removeprefix("runs:/").split("/", 1)[0]
+        tags = client.get_run(run_id).data.tags
+    except Exception as exc:  # noqa: BLE001 - an unknown name, version or run is the user's to fix
+        raise ConfigError(f"model.init_from: {source} not found in {tracking_uri(cfg)}: {exc}") from None
+    if MODEL_CHECKPOINT_TAG not in tags:
+        raise ConfigError(f"model.init_from: MLflow run {run_id} ({source}) logged no rayjobs checkpoint")
+    return tags[MODEL_CHECKPOINT_TAG]
+
+
 def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
     """Print what one rank will hold (parameters, gradients, optimizer state, activations); return the total."""
     from rayjobs import log, parallel

@@ -218,6 +218,8 @@ def run_tags(cfg: Any, world_size: int, device: str, nodes: int) -> dict[str, st
     commit = _git_commit()
     if commit:
         tags["mlflow.source.git.commit"] = commit
+    if cfg.model.init_from:
+        tags["rayjobs.init_from"] = cfg.model.init_from  # where the warm start's weights came from
     return tags
 
 

@@ -63,6 +63,7 @@ class Prepared:
     source: Any = None  # a streamed dataset's source (rayjobs.ray_data), None for in-memory data
     store: Any = None  # the run's object store directory, None for a filesystem path
     memory_estimate: float | None = None
+    init_from: str = ""  # model.init_from as a local checkpoint directory
 
     @property
     def rundir(self) -> RunDir:
@@ -76,12 +77,13 @@ def prepare(cfg: RunConfig) -> Prepared:
     if missing:
         raise ConfigError(missing)
     preflight.check_resume_from(cfg)
+    init_from = preflight.check_init_from(cfg)
     source = preflight.check_data(cfg)
     local_mode = cfg.scaling.num_workers == 0
     scaling = launch.plan_scaling(cfg, launch.local_gpu_count() if local_mode else launch.cluster_gpu_count())
     store = open_store(cfg)
     estimate = preflight.memory_estimate(cfg, scaling.world_size, scaling.use_gpu)
-    return Prepared(cfg, scaling, local_mode, source, store, estimate)
+    return Prepared(cfg, scaling, local_mode, source, store, estimate, init_from)
 
 
 def launch_plan(prep: Prepared, mlflow_run_id: str | None, stop_at_step: int | None, exploit: bool) -> LaunchPlan:
@@ -107,6 +109,7 @@ def launch_plan(prep: Prepared, mlflow_run_id: str | None, stop_at_step: int | N
         storage_mark=None if prep.local_mode else storage.mark(cfg.run_dir, prep.store),
         tracking=TrackingPlan(mlflow_run_id, rundir.path, rundir.spool),
         stream=stream,
+        init_from=prep.init_from,
     )
 
 

@@ -12,6 +12,7 @@ from models import DataInfo, build_model
 from rayjobs import stepping
 from rayjobs.config import from_dict, load_config
 from rayjobs.context import WorkerContext
+from rayjobs.errors import ConfigError
 from rayjobs.rundir import read_history
 
 INFO = DataInfo(kind="image", input_shape=(1, 8, 8), num_classes=10)
@@ -240,3 +241,35 @@ def test_early_stop_ends_a_plateaued_run_and_says_why_everywhere_even_across_a_r
     resumed = train.run(_early(tmp_path, "crashy", crash))
     assert resumed["metrics"]["early_stop/step"] == stopped
     assert resumed["metrics"]["early_stop/best"] == m["early_stop/best"]
+
+
+def test_a_warm_start_from_a_registered_model_starts_at_its_accuracy(tmp_path):
+    """model.init_from=models:/NAME/VERSION: the registered run's weights, a fresh optimizer and step 0,
+    at any world size; evaluated before step 1; the MLflow run says where the weights came from. A
+    mismatched model or an unknown source is one line before anything runs."""
+    import mlflow
+
+    from rayjobs import train
+    from rayjobs.rundir import RunDir
+
+    base = [f"run.storage_path={tmp_path}", "scaling.num_workers=0", "model.name=mlp", "training.batch_size=32"]
+    first = train.run(load_config(None, [*base, "run.name=teacher", "training.epochs=3", "tracking.register_as=digits-mlp"]))
+    assert first["metrics"]["test/accuracy"] >= 0.95
+    cfg = load_config(None, [*base, "run.name=student", "training.epochs=1", "model.init_from=models:/digits-mlp/1"])
+    summary = train.run(cfg)
+    started = RunDir(str(tmp_path / "student")).read_events("warm_start")
+    assert len(started) == 1 and started[0]["val/accuracy"] >= 0.95, started
+    assert started[0]["checkpoint"] == first["checkpoint"]
+    assert summary["metrics"]["step"] == 1257 // 32  # step 0 and one whole epoch: not a resume
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    assert mlflow.get_run(summary["mlflow_run_id"]).data.tags["rayjobs.init_from"] == "models:/digits-mlp/1"
+
+    for extra, line in [
+        (["model.flavor=debug"], "model.init_from: models:/digits-mlp/1 holds mlp/default {}, but this run builds "
+         "mlp/debug {}: warm-start the same model"),
+        (["model.init_from=models:/nope/1"], "model.init_from: models:/nope/1 not found in "),
+        ([f"model.init_from={tmp_path / 'none'}"], f"model.init_from: no checkpoint directory at {tmp_path / 'none'}"),
+    ]:  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            train.run(load_config(None, [*base, "run.name=other", "model.init_from=models:/digits-mlp/1", *extra]))
+        assert str(err.value).startswith(line) and "\n" not in str(err.value), str(err.value)
