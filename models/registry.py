@@ -85,8 +85,14 @@ def model_names() -> list[str]:
 
 
 def parallel_plan(name: str) -> ParallelPlan:
-    """The parallel plan of a registry model; a user's ``module:callable`` has none (an empty plan)."""
-    return NO_PARALLEL_PLAN if is_import_path(name) else get_spec(name).parallel
+    """The parallel plan of a registry model, or the one a user's ``module:callable`` builder carries as
+    its ``parallel_plan`` attribute (``build.parallel_plan = ParallelPlan(...)``; none: an empty plan)."""
+    if not is_import_path(name):
+        return get_spec(name).parallel
+    plan = getattr(resolve_callable(name), "parallel_plan", NO_PARALLEL_PLAN)
+    if not isinstance(plan, ParallelPlan):
+        raise TypeError(f"{name}.parallel_plan must be a models.ParallelPlan, got {type(plan).__name__}")
+    return plan
 
 
 def is_import_path(name: str) -> bool:

@@ -260,12 +260,12 @@ def spawn_ranks(fn, world: int, args: tuple, timeout: float = 180.0) -> None:
             pytest.fail(f"{world} ranks of {fn.__name__} still running after {timeout:.0f} s")
 
 
-def checkpoint_weights(path: str) -> dict:
+def checkpoint_weights(path: str, trust_model: str = "") -> dict:
     """A checkpoint's model weights, through `rayjobs export` (plain tensors, weights_only)."""
     import torch
 
     from rayjobs import checkpoint as ckpt
 
     out = Path(path).parent / (Path(path).name + ".pt")
-    ckpt.export_weights(path, out)
+    ckpt.export_weights(path, out, trust_model)
     return torch.load(out, weights_only=True)

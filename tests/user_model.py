@@ -105,3 +105,32 @@ def two_things():
 def lion_like(groups, lr: float, weight_decay: float, beta: float = 0.9):
     """A user's optimizer factory (here torch's SGD with Nesterov momentum under another name)."""
     return torch.optim.SGD(groups, lr=lr, weight_decay=weight_decay, momentum=beta, nesterov=True)
+
+
+def user_gpt(vocab_size: int = 32, seq_len: int = 16):
+    """A user's transformer outside models/ (here rayjobs' own GPT class, built directly), which
+    carries its parallel plan as data: the tensor-parallel plan and the pipeline split points."""
+    from models.gpt import GPT
+
+    return GPT(vocab_size=vocab_size, dim=32, n_layers=2, n_heads=4, max_seq_len=seq_len)
+
+
+def _user_gpt_plan():
+    from models import ParallelPlan
+
+    return ParallelPlan(
+        layers_attr="layers",
+        tp_plan={
+            "layers.*.attn.q_proj": "colwise",
+            "layers.*.attn.k_proj": "colwise",
+            "layers.*.attn.v_proj": "colwise",
+            "layers.*.attn.o_proj": "rowwise",
+            "layers.*.ffn.up_proj": "colwise",
+            "layers.*.ffn.down_proj": "rowwise",
+        },
+        pipeline_first=("tok_embeddings", "pos_embeddings"),
+        pipeline_last=("norm", "output"),
+    )
+
+
+user_gpt.parallel_plan = _user_gpt_plan()

@@ -56,10 +56,13 @@ def layout_problems(cfg: RunConfig, world_size: int, use_gpu: bool) -> list[str]
     except ValueError as exc:
         return [str(exc)]
     p, plan = cfg.parallel, parallel_plan(cfg.model.name)
-    if (layout.tp > 1 or layout.pp > 1) and is_import_path(cfg.model.name):
-        return [
-            f"parallel.strategy={p.strategy}: {cfg.model.name} is not a registry model with a TP plan and pipeline split"
-        ]
+    if (layout.tp > 1 and not plan.tp_plan) or (layout.pp > 1 and not plan.can_pipeline):
+        if is_import_path(cfg.model.name):
+            return [
+                f"parallel.strategy={p.strategy}: {cfg.model.name} carries no parallel plan for it; give the "
+                f"builder one: {cfg.model.name.rsplit(':', 1)[-1]}.parallel_plan = models.ParallelPlan(layers_attr=..., "
+                "tp_plan={...}, pipeline_first=(...), pipeline_last=(...))"
+            ]
     problems = []
     if layout.tp > 1 or layout.pp > 1 or p.activation_checkpointing != "none":
         model = meta_model(cfg)

@@ -125,3 +125,20 @@ def test_a_users_datasets_give_what_the_model_needs_to_know():
     assert (tokens.info.kind, tokens.info.num_classes) == ("tokens", 8)
     cfg = load_config(None, ["data.name=user_model:sine_data", "model.name=mlp"])
     assert (cfg.task.name, cfg.run.name) == ("regression", "mlp-sine_data")
+
+
+def test_a_users_model_is_split_by_the_plan_its_builder_carries():
+    from models import ParallelPlan, parallel_plan
+    from rayjobs.parallel.apply import layout_problems
+
+    assert isinstance(parallel_plan("user_model:user_gpt"), ParallelPlan)
+    assert parallel_plan("user_model:user_gpt").tp_plan["layers.*.attn.q_proj"] == "colwise"
+    tokens = ["data.name=synthetic", "data.kwargs={kind: tokens, seq_len: 16, vocab_size: 32}", "training.batch_size=8"]
+    ok = load_config(None, ["model.name=user_model:user_gpt", "parallel.strategy=tp", *tokens])
+    assert layout_problems(ok, 2, False) == []
+    bare = load_config(None, ["model.name=user_model:build_tiny", "parallel.strategy=pp"])
+    assert layout_problems(bare, 2, False) == [
+        "parallel.strategy=pp: user_model:build_tiny carries no parallel plan for it; give the builder one: "
+        "build_tiny.parallel_plan = models.ParallelPlan(layers_attr=..., tp_plan={...}, pipeline_first=(...), "
+        "pipeline_last=(...))"
+    ]
