@@ -131,6 +131,16 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
         "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
     )
 
+    pred = sub.add_parser("predict", help="batch inference: a prediction per row of Parquet/CSV (Ray Data actors)")
+    pred.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    pred.add_argument("--data", required=True, metavar="PATH", help="a Parquet or CSV file, or a folder of them")
+    pred.add_argument("--out", required=True, metavar="DIR", help="a new directory for the Parquet output")
+    pred.add_argument("--features", default="", help="comma-separated input columns (default: the training data's)")
+    pred.add_argument("--batch-size", type=int, default=256, help="rows per model call")
+    pred.add_argument(
+        "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
+    )
+
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``rayjobs`` console script."""
@@ -158,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
             _export(args)
         elif args.command == "eval":
             _eval(args)
+        elif args.command == "predict":
+            _predict(args)
         elif args.command == "screenshot":
             from rayjobs.screenshot import take
 
@@ -393,6 +405,18 @@ def _eval(args: argparse.Namespace) -> None:
     print(format_eval(result))
     if args.summary:
         write_summary(result, args.summary)
+
+
+def _predict(args: argparse.Namespace) -> None:
+    from rayjobs.predict import predict
+
+    if not os.path.isdir(args.checkpoint):
+        raise ConfigError(f"predict: no checkpoint directory at {args.checkpoint}")
+    if args.batch_size < 1:
+        raise ConfigError(f"predict: --batch-size must be >= 1, got {args.batch_size}")
+    features = [f.strip() for f in args.features.split(",") if f.strip()]
+    done = predict(args.checkpoint, args.data, args.out, features, args.trust_model, args.batch_size)
+    print(f"predicted {done['rows']} rows ({', '.join(done['features'])}) on {done['actors']} actor(s): {done['out']}")
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -179,6 +179,12 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         evaluated = json.loads((cwd / "eval.json").read_text())["metrics"]
         assert evaluated["test/accuracy"] == runs.iloc[0]["metrics.test/accuracy"], (evaluated, runs.iloc[0])
         assert f"test/accuracy {evaluated['test/accuracy']:.4f}" in out
+    if cmd.text.startswith("rayjobs predict"):  # one prediction per input row, as accurate as the run
+        import pyarrow.parquet as pq
+
+        got = pq.read_table(cwd / "predictions").to_pandas()
+        assert "predicted 270 rows" in out and len(got) == 270, out[-2000:]
+        assert (got["prediction"] == got["label"]).mean() >= 0.97
     if cmd.text == "rayjobs configs":
         assert "gpt-fsdp " in out and "digits " in out
     if "raise_at_step=53" in cmd.text and cmd.expect_rc == 0:
