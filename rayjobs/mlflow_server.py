@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from rayjobs.errors import ConfigError
 from rayjobs.rundir import mlflow_db
@@ -161,21 +162,45 @@ def start(store_dir: str, port: int, auth: bool = False, log_path: str | None = 
 
 def stop(proc: subprocess.Popen) -> None:
     """Stop a server started by ``start``: its whole process group (uvicorn has children), SIGTERM
-    first, then SIGKILL for whatever is left (a worker that outlived its leader, or a slow exit)."""
+    first, then SIGKILL for whatever is left (a worker that outlived its leader, or a slow exit).
+
+    Its descendants are also killed by pid, found while the leader still lives: one that left the
+    group (MLflow 3's uvicorn and huey workers) would otherwise outlive the server, reparented."""
     import signal
 
+    import psutil
+
+    family = _family(proc.pid)
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=15)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
+    family += _family(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # the group outlives its leader while any member lives
     except (ProcessLookupError, PermissionError):
         pass
+    for member in family:
+        try:
+            member.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(family, timeout=15)
     if proc.poll() is None:
         proc.wait(timeout=15)
+
+
+def _family(pid: int) -> list[Any]:
+    """The process ``pid`` and its descendants now (psutil processes; none when it is gone)."""
+    import psutil
+
+    try:
+        leader = psutil.Process(pid)
+        return [leader, *leader.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def serve(store_dir: str, port: int, auth: bool) -> None:
@@ -193,10 +218,10 @@ def serve(store_dir: str, port: int, auth: bool) -> None:
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGHUP, _stop)
-    print(f"MLflow UI: http://127.0.0.1:{port}  (store: {Path(store_dir).resolve()}; Ctrl-C stops it)", flush=True)
-    try:
+    try:  # from here on a signal at any point (even during the print) still stops the server
+        signal.signal(signal.SIGTERM, _stop)
+        signal.signal(signal.SIGHUP, _stop)
+        print(f"MLflow UI: http://127.0.0.1:{port}  (store: {Path(store_dir).resolve()}; Ctrl-C stops it)", flush=True)
         proc.wait()
     except KeyboardInterrupt:
         pass
