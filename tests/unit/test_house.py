@@ -91,7 +91,8 @@ def test_a_model_spec_carries_its_parallel_plan_as_typed_data():
     plan = get_spec("gpt").parallel
     assert isinstance(plan, ParallelPlan) and plan.layers_attr == "layers" and plan.can_pipeline
     assert plan.pipeline_first == ("tok_embeddings", "pos_embeddings") and plan.pipeline_last == ("norm", "output")
-    assert parallel_plan("digits_cnn") == ParallelPlan() and parallel_plan("my_net:build") == ParallelPlan()
+    assert parallel_plan("digits_cnn") == ParallelPlan() and parallel_plan("user_model:build_tiny") == ParallelPlan()
+    assert parallel_plan("user_model:user_gpt").layers_attr == "layers"  # a user's builder carries its own
 
 
 def test_a_local_store_is_files_and_directories_written_whole(tmp_path):
