@@ -95,6 +95,15 @@ def _add_config_args(parser: argparse.ArgumentParser, config_help: str, summary_
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
+def _trust_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust-model",
+        default="",
+        metavar="MODULE:CALLABLE",
+        help="build a checkpoint whose model is this module:callable (it runs that code); registry models need nothing",
+    )
+
+
 def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     """checkpoints, export, eval: the commands that read a run's checkpoints."""
     listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
@@ -108,12 +117,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     export.add_argument(
         "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
     )
-    export.add_argument(
-        "--trust-model",
-        default="",
-        metavar="MODULE:CALLABLE",
-        help="build a checkpoint whose model is this module:callable (it runs that code); registry models need nothing",
-    )
+    _trust_model_argument(export)
 
     ev = sub.add_parser("eval", help="a checkpoint's task metrics on a split of its data (or other data of its shape)")
     ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
@@ -127,9 +131,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
         help="other data or task: data.name=..., data.kwargs.X=..., task.name=... (repeatable)",
     )
     ev.add_argument("--summary", metavar="PATH", help="write the metrics as JSON here")
-    ev.add_argument(
-        "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
-    )
+    _trust_model_argument(ev)
 
     pred = sub.add_parser("predict", help="batch inference: a prediction per row of Parquet/CSV (Ray Data actors)")
     pred.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
@@ -137,9 +139,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     pred.add_argument("--out", required=True, metavar="DIR", help="a new directory for the Parquet output")
     pred.add_argument("--features", default="", help="comma-separated input columns (default: the training data's)")
     pred.add_argument("--batch-size", type=int, default=256, help="rows per model call")
-    pred.add_argument(
-        "--trust-model", default="", metavar="MODULE:CALLABLE", help="build a checkpoint whose model is this callable"
-    )
+    _trust_model_argument(pred)
 
 
 def main(argv: list[str] | None = None) -> None:
