@@ -77,3 +77,16 @@ def subprocess_env(threads: int = 1) -> dict[str, str]:
     env["OMP_NUM_THREADS"] = str(threads)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return env
+
+
+def run_rank_then_exit(rank: int, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn(rank, *args)`` in a spawned rank, then leave without interpreter finalization.
+
+    Under load, gloo's C++ threads can abort a process whose work is done and saved while static
+    destructors run at exit ("terminate called without an active exception", SIGABRT). An error in
+    ``fn`` still raises here, so torch's spawn reports it as the rank's failure.
+    """
+    fn(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

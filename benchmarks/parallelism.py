@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.base import Benchmark, Figure, Size, register
+from benchmarks.base import Benchmark, Figure, Size, register, run_rank_then_exit
 
 SEQ, BATCH = 64, 4
 
@@ -86,7 +86,9 @@ def measure(strategy: str, flavor: str) -> dict[str, int]:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "out.json")
-        mp.start_processes(_worker, args=(port, strategy, flavor, out), nprocs=2, start_method="spawn")
+        mp.start_processes(
+            run_rank_then_exit, args=(_worker, port, strategy, flavor, out), nprocs=2, start_method="spawn"
+        )
         return json.loads(Path(out).read_text())
 
 

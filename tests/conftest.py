@@ -250,7 +250,9 @@ def spawn_ranks(fn, world: int, args: tuple, timeout: float = 180.0) -> None:
 
     import torch.multiprocessing as mp
 
-    ctx = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="spawn")
+    from benchmarks.base import run_rank_then_exit
+
+    ctx = mp.start_processes(run_rank_then_exit, args=(fn, *args), nprocs=world, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
