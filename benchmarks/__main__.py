@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     harness.write_json(results, args.json)
     chart = args.chart or str(Path(args.json).with_suffix(".png"))
     harness.draw_chart(results, chart)
-    print(f"\nbench: figures in {args.json}, chart in {chart}")
+    timelines = str(Path(chart).with_name(Path(chart).stem + "-timeline.png"))
+    drawn = harness.draw_timelines(results, timelines)
+    print(f"\nbench: figures in {args.json}, chart in {chart}" + (f", launch timeline in {timelines}" if drawn else ""))
     return 0
 
 

@@ -23,6 +23,7 @@ class Figure:
     unit: str = ""
     note: str = ""
     ratio: bool = True  # a unitless ratio (drawn on the chart)
+    parts: dict[str, float] = field(default_factory=dict)  # a timeline's phases, in order (the timeline chart)
 
     @property
     def met(self) -> bool | None:

@@ -30,6 +30,7 @@ def load_all() -> dict[str, Benchmark]:
         parallelism,
         scaling,
         search,
+        startup,
         tracking,
     )
 
@@ -139,3 +140,35 @@ def draw_chart(results: dict[str, Any], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def draw_timelines(results: dict[str, Any], path: str) -> bool:
+    """One stacked bar per figure with ``parts`` (a launch's phases); False when there are none."""
+    figs = [(k, f) for k, f in results["figures"].items() if f.get("parts")]
+    if not figs:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = list(dict.fromkeys(p for _, f in figs for p in f["parts"]))
+    colours = dict(zip(phases, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(figs) + 2.0))
+    for i, (_key, f) in enumerate(figs):
+        left = 0.0
+        for phase, seconds in f["parts"].items():
+            ax.barh(i, seconds, left=left, color=colours[phase], label=phase)
+            left += seconds
+    ax.set_yticks(range(len(figs)), [k.split(".", 1)[1].removesuffix("_first_step_s") for k, _ in figs])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds to the first step")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=8, fontsize=8)
+    ax.set_title(f"launch timeline, {results['machine']['date']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

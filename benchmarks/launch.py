@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.base import REPO, subprocess_env
+from rayjobs import timeline
 
 
 def _free_port() -> int:
@@ -28,6 +29,8 @@ def _launch(cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
         raise RuntimeError(f"workload failed ({' '.join(cmd[:4])} ...):\n{tail}")
     record = json.loads(out.read_text())
     record["launch_to_first_step_s"] = record["first_step_at"] - started
+    if "driver_start" not in record["marks"]:  # torchrun: its launcher's start, with no Ray and no fit()
+        record["marks"].update(dict.fromkeys(timeline.DRIVER_MARKS, started))
     return record
 
 
@@ -52,8 +55,9 @@ def torchrun(spec: dict[str, Any], nproc: int, timeout: float = 600) -> dict[str
         return _launch(cmd, out, timeout)
 
 
-def ray_train(spec: dict[str, Any], workers: int, timeout: float = 600) -> dict[str, Any]:
-    """The workload under rayjobs' launcher: a fresh local Ray and a TorchTrainer with ``workers``."""
+def ray_train(spec: dict[str, Any], workers: int, timeout: float = 600, fits: int = 1) -> dict[str, Any]:
+    """The workload under rayjobs' launcher: a fresh local Ray and a TorchTrainer with ``workers``
+    (``fits`` in a row: the record's ``warm`` is the second, on the running Ray)."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
         cmd = [
@@ -62,6 +66,8 @@ def ray_train(spec: dict[str, Any], workers: int, timeout: float = 600) -> dict[
             "benchmarks.workload",
             "--ray",
             str(workers),
+            "--fits",
+            str(fits),
             "--spec",
             json.dumps(spec),
             "--out",

@@ -1,4 +1,4 @@
-"""Orchestration overhead: the identical DDP loop under torchrun and under rayjobs (Ray Train), 2 workers."""
+"""Orchestration overhead: the identical DDP loop's steps under torchrun and under rayjobs (Ray Train), 2 workers."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from benchmarks.base import Benchmark, Figure, Size, register
 
 
 def run(size: Size) -> list[Figure]:
-    """Alternate torchrun and Ray launches; compare median step times and launch-to-first-step times."""
+    """Alternate torchrun and Ray launches; compare median step times (launch times: benchmarks.startup)."""
     spec = {"steps": size.pick(40, 15, 6), "warmup": size.pick(3, 3, 1)}
     rounds = size.pick(2, 1)
     torch_runs, ray_runs = [], []
@@ -18,34 +18,12 @@ def run(size: Size) -> list[Figure]:
         ray_runs.append(launch.ray_train(spec, workers=2))
     t_step = statistics.median(s for r in torch_runs for s in r["step_times"])
     r_step = statistics.median(s for r in ray_runs for s in r["step_times"])
-    t_launch = statistics.median(r["launch_to_first_step_s"] for r in torch_runs)
-    r_cold = statistics.median(r["launch_to_first_step_s"] for r in ray_runs)
-    r_warm = statistics.median(r["fit_to_first_step_s"] for r in ray_runs)
     return [
         Figure(
             "orchestration.step_time_ratio",
             r_step / t_step,
             "<= 1.02",
             note=f"median step {r_step * 1e3:.1f} ms (Ray) vs {t_step * 1e3:.1f} ms (torchrun)",
-        ),
-        Figure(
-            "orchestration.launch_ratio_cold",
-            r_cold / t_launch,
-            "<= 1.5",
-            note=f"launch to first step {r_cold:.1f} s (new local Ray + TorchTrainer) vs {t_launch:.1f} s (torchrun)",
-        ),
-        Figure(
-            "orchestration.launch_ratio_warm",
-            r_warm / t_launch,
-            "<= 1.5",
-            note=f"fit() to first step {r_warm:.1f} s on a running Ray vs {t_launch:.1f} s (torchrun)",
-        ),
-        Figure(
-            "orchestration.torchrun_launch_s",
-            t_launch,
-            unit="s",
-            ratio=False,
-            note="torchrun: launch to first optimizer step",
         ),
     ]
 

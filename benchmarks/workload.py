@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from rayjobs import timeline
+
 # A transformer small enough for 1 CPU thread (~0.1 s a step), big enough that a step is mostly compute.
 DEFAULT_SPEC: dict[str, Any] = {
     "model": "gpt",
@@ -40,28 +42,31 @@ def run_loop(spec: dict[str, Any], ctx: Any) -> dict[str, Any]:
     from rayjobs.parallel import wrap_ddp
     from rayjobs.stepping import build_optimizer, train_step
 
+    marks = {"worker_start": timeline.process_start(), "worker_entered": time.time()}
     spec = {**DEFAULT_SPEC, **spec}
     torch.set_num_threads(spec["threads"])
     info = DataInfo("tokens", (spec["seq_len"],), spec["vocab_size"])
-    cfg = from_dict({"optim": {"name": "adamw", "lr": 1e-3}})
-    torch.manual_seed(0)
-    model = wrap_ddp(build_model(spec["model"], spec["flavor"], spec["model_kwargs"], info), ctx)
-    opt = build_optimizer(model, cfg)
     g = torch.Generator().manual_seed(ctx.rank)
     batch = spec["per_rank_batch"]
     x = torch.randint(0, spec["vocab_size"], (batch, spec["seq_len"]), generator=g)
     y = torch.roll(x, -1, dims=1)
-    first_step_at, times = None, []
+    marks["data_ready"] = time.time()
+    cfg = from_dict({"optim": {"name": "adamw", "lr": 1e-3}})
+    torch.manual_seed(0)
+    model = wrap_ddp(build_model(spec["model"], spec["flavor"], spec["model_kwargs"], info), ctx)
+    opt = build_optimizer(model, cfg)
+    marks["model_ready"] = time.time()
+    times: list[float] = []
     for i in range(spec["warmup"] + spec["steps"]):
         t0 = time.perf_counter()
         train_step(model, [(x, y)], opt, cfg, ctx)
-        if first_step_at is None:
-            first_step_at = time.time()
+        marks.setdefault("first_step", time.time())
         if i >= spec["warmup"]:
             times.append(time.perf_counter() - t0)
-    median = statistics.median(times)
+    median = statistics.median(times) if times else float("nan")
     return {
-        "first_step_at": first_step_at,
+        "marks": marks,
+        "first_step_at": marks["first_step"],
         "step_times": times,
         "median_step_s": median,
         "world_size": ctx.world_size,
@@ -75,24 +80,31 @@ def _ray_worker(config: dict[str, Any]) -> dict[str, Any]:
     return run_loop(config["spec"], current_context(use_gpu=False))
 
 
-def run_under_ray(spec: dict[str, Any], workers: int) -> dict[str, Any]:
-    """rayjobs' launcher: a local Ray and a TorchTrainer with ``workers`` CPU workers."""
+def run_under_ray(spec: dict[str, Any], workers: int, fits: int = 1) -> dict[str, Any]:
+    """rayjobs' launcher: a local Ray and a TorchTrainer with ``workers`` CPU workers, ``fits`` times
+    in a row (the second on the running Ray: ``warm``). The record carries the timeline's marks."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    if not ray.is_initialized():
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
-    trainer = TorchTrainer(
-        _ray_worker,
-        train_loop_config={"spec": spec},
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"bench-{os.getpid()}", storage_path=os.path.abspath(".bench/ray")),
-    )
-    fit_started = time.time()
-    record = trainer.fit().return_value
-    record["fit_to_first_step_s"] = record["first_step_at"] - fit_started
-    return record
+    marks = {"driver_start": timeline.process_start(), "ray_start": time.time()}
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
+    marks["ray_ready"] = time.time()
+    records = []
+    for i in range(fits):
+        trainer = TorchTrainer(
+            _ray_worker,
+            train_loop_config={"spec": spec},
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=f"bench-{os.getpid()}-{i}", storage_path=os.path.abspath(".bench/ray")),
+        )
+        marks["fit"] = time.time()
+        record = trainer.fit().return_value
+        record["fit_to_first_step_s"] = record["first_step_at"] - marks["fit"]
+        record["marks"] = {**marks, **record["marks"]}
+        records.append(record)
+        marks = dict.fromkeys(timeline.DRIVER_MARKS, time.time())  # the next fit finds Ray up
+    return {**records[0], "warm": records[1]} if fits > 1 else records[0]
 
 
 def main() -> None:
@@ -101,10 +113,11 @@ def main() -> None:
     parser.add_argument("--spec", default="{}")
     parser.add_argument("--out", required=True)
     parser.add_argument("--ray", type=int, default=0, help="launch N Ray Train workers instead of torchrun's")
+    parser.add_argument("--fits", type=int, default=1, help="with --ray: fits in a row (the second is warm)")
     args = parser.parse_args()
     spec = json.loads(args.spec)
     if args.ray:
-        record = run_under_ray(spec, args.ray)
+        record = run_under_ray(spec, args.ray, args.fits)
     else:
         import torch.distributed as dist
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 
 from models import build_model, flops_per_sample
 from rayjobs import data as data_lib
-from rayjobs import devices, memory, parallel, paths, storage, tasks, telemetry
+from rayjobs import devices, memory, parallel, paths, storage, tasks, telemetry, timeline
 from rayjobs.checkpoint import Saver, TrainState, load_weights
 from rayjobs.config import RunConfig, from_dict, redacted_dump
 from rayjobs.context import WorkerContext, all_reduce_sum, current_context
@@ -74,6 +75,7 @@ class Run:
     saved_at_step: int = -1
     loggers: list[Any] = field(default_factory=list)
     early_stopped: dict[str, float] = field(default_factory=dict)  # early_stop/step and /best once it stopped
+    launch_marks: dict[str, float] = field(default_factory=dict)  # rayjobs.timeline: the driver's, then this rank's
 
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -82,9 +84,10 @@ def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
     Returns (rank 0's value reaches the driver as ``Result.return_value``) how the run ended.
     A failure stops rank 0's MLflow logger first: in local mode the driver's replay shares its spool.
     """
-    run = None
+    run, entered = None, time.time()
     try:
         run = setup(LaunchPlan.from_dict(config))
+        run.launch_marks.update(worker_start=timeline.process_start(), worker_entered=entered)
         return train(run)
     except BaseException:
         if run is not None and run.mlflow is not None:
@@ -114,6 +117,7 @@ def setup(plan: LaunchPlan) -> Run:
     data = data_lib.TrainingData(
         cfg.data.name, cfg.data.kwargs, t.seed, shard, shards, micro_batch, t.grad_accum, plan.stream
     )
+    data_ready = time.time()
     if data.steps_per_epoch == 0:
         raise ValueError(f"training.batch_size={t.batch_size} is larger than the training set; lower it")
     total_steps = min(data.steps_per_epoch * t.epochs, t.max_steps or data.steps_per_epoch * t.epochs)
@@ -151,6 +155,7 @@ def setup(plan: LaunchPlan) -> Run:
         new_saver(cfg, ctx, layout, store), state, resumed_from, meter, store, RunDir(cfg.run_dir), total_steps,
         min(total_steps, int(plan.stop_at_step or total_steps)), Preemption(local_mode=plan.local_mode), task,
         saved_at_step=state.step if resumed_from else -1,
+        launch_marks={**plan.launch_marks, "data_ready": data_ready, "model_ready": time.time()},
     )  # fmt: skip
     if resumed_from is None and plan.init_from:  # a warm start: weights only, at step 0
         warm_start(run)
@@ -220,6 +225,7 @@ def one_step(run: Run, batches: Any) -> StepResult:
         log(f"step {state.step}: non-finite loss on rank(s) {result.bad_ranks}; step skipped (nan_policy=skip)")
     if ctx.is_main and state.step == meter.first_step:
         run.rundir.record_event("first_step", step=state.step)
+        report_launch(run)
     lr = run.scheduler.get_last_lr()[0]
     step_metrics = meter.step_metrics(state.step, result.loss, lr, result.grad_norm, data_wait)
     if run.mlflow is not None and step_metrics:
@@ -228,6 +234,22 @@ def one_step(run: Run, batches: Any) -> StepResult:
     if ctx.is_main and state.step % cfg.training.log_every == 0:
         log(meter.progress(state.step, run.total_steps, run.stop_at, state.epoch, result.loss, lr, state.samples))
     return result
+
+
+def report_launch(run: Run) -> None:
+    """Rank 0 after its first step: the launch timeline, printed, in the event log and in MLflow.
+
+    A restart inside the same ``fit()`` (a worker failed) times only its own worker: the driver's
+    marks belong to the first attempt, which already reported them.
+    """
+    marks = {**run.launch_marks, "first_step": time.time()}
+    fit = marks.get("fit")
+    if fit is not None and any(e.get("fit") == fit for e in run.rundir.read_events("launch")):
+        marks = {k: v for k, v in marks.items() if k in timeline.WORKER_MARKS}
+    log(timeline.describe(marks))
+    run.rundir.record_event("launch", **marks, **timeline.as_metrics(marks))
+    if run.mlflow is not None:
+        run.mlflow.log(timeline.as_metrics(marks), run.state.step)
 
 
 def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> None:

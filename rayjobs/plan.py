@@ -8,7 +8,7 @@ leaf: imports nothing of rayjobs.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -69,6 +69,7 @@ class LaunchPlan:
     tracking: TrackingPlan | None = None
     stream: StreamPlan | None = None
     init_from: str = ""  # model.init_from resolved by the driver to a local checkpoint directory
+    launch_marks: dict[str, float] = field(default_factory=dict)  # the driver's side of rayjobs.timeline
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict for ``train_loop_config`` (nested plans as dicts)."""

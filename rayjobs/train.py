@@ -8,6 +8,7 @@ Run it with ``rayjobs train [--config FILE] [--set k=v ...]`` or, the same thing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rayjobs import launch, log, paths, preflight, storage
+from rayjobs import launch, log, paths, preflight, storage, timeline
 from rayjobs.config import RunConfig
 from rayjobs.errors import ConfigError, ExplainedFailure, TrainingFailed
 from rayjobs.lease import Lease
@@ -86,8 +87,15 @@ def prepare(cfg: RunConfig) -> Prepared:
     return Prepared(cfg, scaling, local_mode, source, store, estimate, init_from)
 
 
-def launch_plan(prep: Prepared, mlflow_run_id: str | None, stop_at_step: int | None, exploit: bool) -> LaunchPlan:
-    """The contract the workers get: the config and everything the driver resolved (Ray is up)."""
+def launch_plan(
+    prep: Prepared,
+    mlflow_run_id: str | None,
+    stop_at_step: int | None,
+    exploit: bool,
+    launch_marks: dict[str, float] | None = None,
+) -> LaunchPlan:
+    """The contract the workers get: the config and everything the driver resolved (Ray is up);
+    ``launch_marks`` are the driver's marks of ``rayjobs.timeline`` so far."""
     cfg, scaling, rundir = prep.cfg, prep.scaling, prep.rundir
     stream = None
     if prep.source is not None:
@@ -110,6 +118,7 @@ def launch_plan(prep: Prepared, mlflow_run_id: str | None, stop_at_step: int | N
         tracking=TrackingPlan(mlflow_run_id, rundir.path, rundir.spool),
         stream=stream,
         init_from=prep.init_from,
+        launch_marks=dict(launch_marks or {}),
     )
 
 
@@ -123,13 +132,16 @@ def _run(
     exploit: bool,
 ) -> dict[str, Any]:
     started = time.time()
+    marks = {"driver_start": timeline.driver_start()}
     prep = prepare(cfg)
+    marks["ray_start"] = time.time()
     if prep.local_mode:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
     else:
         launch.init_ray(prep.scaling, streaming=prep.source is not None)
+    marks["ray_ready"] = time.time()
     mlflow_run_id = start_tracking(cfg, prep.scaling, mlflow_tags) if cfg.tracking.enabled else None
-    plan = launch_plan(prep, mlflow_run_id, stop_at_step, exploit)
+    plan = launch_plan(prep, mlflow_run_id, stop_at_step, exploit, marks)
     try:
         result = fit(prep, plan, callbacks)
     except Exception as exc:  # TrainingFailedError and friends: the training itself failed
@@ -164,6 +176,7 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
         from rayjobs.checkpoint import reconcile_ray_snapshot
 
         reconcile_ray_snapshot(cfg.run_dir, store)  # a re-run's controller must not trip on checkpoints we pruned
+    plan = dataclasses.replace(plan, launch_marks={**plan.launch_marks, "fit": time.time()})
     trainer = TorchTrainer(
         train_fn_per_worker,
         train_loop_config=plan.to_dict(),
@@ -225,6 +238,9 @@ def summarize(prep: Prepared, result: Any, started: float) -> dict[str, Any]:
         "metrics": metrics,
         "history": prep.rundir.metrics,
     }
+    launches = [e for e in prep.rundir.read_events("launch") if e["time"] >= started]
+    if launches:  # rank 0's timeline (absent when the run directory is not on this machine)
+        summary["launch"] = {k: v for k, v in launches[0].items() if k.startswith("launch/")}
     if "early_stop/step" in metrics:
         stop = prep.cfg.training.early_stop
         summary["early_stop"] = (

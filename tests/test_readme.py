@@ -150,6 +150,8 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
     accuracy = re.findall(r"test/accuracy (\d\.\d+)", out)
     if cmd.text == "rayjobs train" or "data.kwargs.path=data/digits" in cmd.text:
         assert accuracy and float(accuracy[-1]) >= 0.97, out[-3000:]
+    if cmd.text == "rayjobs train":  # the launch timeline, phase by phase, as the README shows it
+        assert re.search(r"first step after \d+\.\d s: driver \d+\.\d s, ray \d+\.\d s, .*workers", out), out[-3000:]
     if "model.name=my_net:build" in cmd.text:
         assert accuracy and float(accuracy[-1]) >= 0.90, out[-3000:]
     if "data.kwargs.path=data/digits" in cmd.text:  # tracking on: a FINISHED MLflow run with the model

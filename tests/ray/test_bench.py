@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 EXPECTED = {
     "orchestration.step_time_ratio",
-    "orchestration.launch_ratio_cold",
-    "orchestration.launch_ratio_warm",
+    "launch.cold_ratio",
+    "launch.warm_ratio",
     "scaling.weak_efficiency_2w",
     "compute.mfu_cpu_gpt_small",
     "overhead.loop_throughput_ratio",
@@ -51,6 +51,12 @@ def test_every_benchmark_runs_its_code_path_and_produces_its_figures(tmp_path):
         assert f["goal"] and f["met"] in (True, False)
     assert "| `orchestration.step_time_ratio` |" in proc.stdout
     assert out.with_suffix(".png").stat().st_size > 5000
+    # The launch timeline: each launcher's phases add up to its time to the first step, and are drawn.
+    for launcher in ("torchrun", "ray_cold", "ray_warm"):
+        f = figures[f"launch.{launcher}_first_step_s"]
+        assert f["parts"] and abs(sum(f["parts"].values()) - f["value"]) < 0.5, f
+    assert set(figures["launch.ray_cold_first_step_s"]["parts"]) >= {"driver", "ray", "workers", "imports", "model"}
+    assert (tmp_path / "bench-timeline.png").stat().st_size > 5000
     assert results["size"] == "smoke" and "smoke mode" in proc.stdout
     assert results["benchmarks"]["gpu"] == {"skipped": "needs CUDA"} or any(k.startswith("gpu.") for k in figures)
 

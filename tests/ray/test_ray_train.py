@@ -49,6 +49,20 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
     )
     assert saved["metrics"]["test/accuracy"] == m["test/accuracy"]
 
+    # The launch timeline: every phase, none negative, adding up to the first step's time (within the run).
+    launch = saved["launch"]
+    phases = [f"launch/{p}_s" for p in ("driver", "ray", "mlflow", "workers", "imports", "data", "model", "first_step")]
+    assert set(launch) == {*phases, "launch/first_step_after_s"}, launch
+    assert all(launch[p] >= 0 for p in phases)
+    assert abs(sum(launch[p] for p in phases) - launch["launch/first_step_after_s"]) < 0.01
+    assert launch["launch/ray_s"] < 1.0  # this module's Ray is already up: nothing to start
+    assert launch["launch/workers_s"] + launch["launch/imports_s"] > 1.0  # new worker processes under Ray
+    assert 0 < launch["launch/first_step_after_s"] < saved["wall_s"] + 5
+    import mlflow
+
+    logged = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}").get_run(summary["mlflow_run_id"]).data.metrics
+    assert logged["launch/first_step_after_s"] == pytest.approx(launch["launch/first_step_after_s"], abs=1e-3)
+
 
 @pytest.mark.parametrize(
     ("config", "workers", "layout"),
