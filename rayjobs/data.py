@@ -11,6 +11,7 @@ order is a pure function of (seed, epoch, rank, world size).
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,13 +39,34 @@ def _split(n: int, val_fraction: float, test_fraction: float, seed: int) -> tupl
     return perm[n_test + n_val :], perm[n_test : n_test + n_val], perm[:n_test]
 
 
-def digits(val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0) -> Splits:
-    """scikit-learn's digits as 1x8x8 float images in [0, 1], split by ``split_seed``."""
-    from sklearn.datasets import load_digits
+def load_digits_arrays() -> tuple[Any, Any]:
+    """The digits' 8x8 images (values 0-16) and labels, exactly ``sklearn.datasets.load_digits()``'s.
+
+    Read from the CSV scikit-learn ships, found without importing scikit-learn: importing it costs
+    each worker about a second of its launch (``rayjobs bench launch``'s ``data`` phase).
+    """
+    import importlib.util
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")  # a top-level package: found, not imported
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    for root in roots:
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.isfile(path):
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+    from sklearn.datasets import load_digits  # a layout without the CSV: the same arrays, slower
 
     bunch = load_digits()
-    x = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    y = torch.tensor(bunch.target, dtype=torch.long)
+    return bunch.images, bunch.target
+
+
+def digits(val_fraction: float = 0.15, test_fraction: float = 0.15, split_seed: int = 0) -> Splits:
+    """scikit-learn's digits as 1x8x8 float images in [0, 1], split by ``split_seed``."""
+    images, target = load_digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(target, dtype=torch.long)
     train, val, test = _split(len(y), val_fraction, test_fraction, split_seed)
     return Splits(
         TensorDataset(x[train], y[train]),

@@ -48,3 +48,25 @@ def test_synthetic_tokens_follow_their_pattern():
     assert torch.equal((x[:, 0:1] + stride[:, None] * torch.arange(12)) % 50, x)
     img = data.synthetic(kind="image", num_samples=32, shape=[3, 4, 4], num_classes=5)
     assert img.train.tensors[0].shape == (32, 3, 4, 4) and img.info.num_classes == 5
+
+
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The default job's data phase: the bundled CSV, not a second of `import sklearn` per worker."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    from conftest import REPO, subprocess_env
+    from sklearn.datasets import load_digits
+
+    from rayjobs.data import load_digits_arrays
+
+    images, target = load_digits_arrays()
+    expected = load_digits()
+    assert np.array_equal(images, expected.images) and np.array_equal(target, expected.target)
+    assert images.dtype == expected.images.dtype and target.dtype == expected.target.dtype
+    probe = "import sys; from rayjobs.data import digits; digits(); print('sklearn' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
