@@ -274,12 +274,15 @@ class MetricsLogger:
                     f.write(line)
             except OSError as exc:  # a full or read-only disk: these points are lost, training goes on
                 self.dropped_points += len(clean)
-                if not self.spool_warned:
-                    self.spool_warned = True
-                    log(
-                        f"warning: cannot write the MLflow spool {self.spool} ({type(exc).__name__}: {exc}); "
-                        "training goes on without these metrics until it can"
-                    )
+                self._warn_spool(exc)
+
+    def _warn_spool(self, exc: OSError) -> None:
+        if not self.spool_warned:
+            self.spool_warned = True
+            log(
+                f"warning: cannot write the MLflow spool {self.spool} ({type(exc).__name__}: {exc}); "
+                "training goes on without these metrics until it can"
+            )
 
     def close(self, timeout: float = 30.0) -> bool:
         """Send what is spooled; True when everything reached the server (else it stays on disk)."""
@@ -292,7 +295,10 @@ class MetricsLogger:
     def _run(self) -> None:
         while True:
             stopping = self._stop.wait(self.FLUSH_EVERY_S)
-            self._rotate()
+            try:
+                self._rotate()
+            except OSError as exc:  # the run directory turned read-only or full: what is spooled stays there
+                self._warn_spool(exc)
             if self.sending.exists():
                 self._send_spool()
             if stopping:

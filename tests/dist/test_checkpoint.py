@@ -129,6 +129,7 @@ def test_resume_from_an_explicit_checkpoint_and_a_bad_one(tmp_path, uninterrupte
         train.run(cfg_for(tmp_path, "x", f"checkpoint.resume_from={tmp_path}/nope"))
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # MLflow's thread warns, lives
 def test_read_only_storage_fails_clearly_and_keeps_the_previous_checkpoint(tmp_path):
     """Real read-only storage: the run directory made immutable (chattr +i) after the first checkpoint."""
     if subprocess.run(["which", "chattr"], capture_output=True).returncode != 0:
