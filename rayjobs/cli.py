@@ -104,6 +104,37 @@ def _trust_model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, runs:/RUN_ID or models:/NAME/VERSION|@ALIAS"
+    )
+    parser.add_argument(
+        "--tracking-uri",
+        default="",
+        help="the MLflow store of runs:/ and models:/ (default: $MLFLOW_TRACKING_URI, else results/mlflow.db here)",
+    )
+
+
+def checkpoint_directory(args: argparse.Namespace) -> str:
+    """The command's CHECKPOINT as a directory: a path, or the checkpoint an MLflow run or model came from."""
+    from rayjobs.preflight import MLFLOW_SOURCES, mlflow_checkpoint
+
+    source = args.checkpoint
+    if source.startswith(MLFLOW_SOURCES):
+        uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+        if not uri:
+            store = os.path.abspath(os.path.join("results", "mlflow.db"))
+            if not os.path.isfile(store):
+                raise ConfigError(
+                    f"{args.command}: {source} needs an MLflow store: none at {store}; pass --tracking-uri"
+                )
+            uri = f"sqlite:///{store}"
+        source = mlflow_checkpoint(uri, source, args.command)
+    if not os.path.isdir(source):
+        raise ConfigError(f"{args.command}: no checkpoint directory at {source}")
+    return source
+
+
 def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     """checkpoints, export, eval: the commands that read a run's checkpoints."""
     listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
@@ -113,14 +144,14 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     )
 
     export = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict or safetensors")
-    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    _checkpoint_argument(export)
     export.add_argument(
         "--out", required=True, metavar="FILE", help="FILE.pt (torch.load(weights_only=True)) or FILE.safetensors"
     )
     _trust_model_argument(export)
 
     ev = sub.add_parser("eval", help="a checkpoint's task metrics on a split of its data (or other data of its shape)")
-    ev.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    _checkpoint_argument(ev)
     ev.add_argument("--split", default="test", help="test (default), val or train")
     ev.add_argument(
         "--set",
@@ -134,7 +165,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     _trust_model_argument(ev)
 
     pred = sub.add_parser("predict", help="batch inference: a prediction per row of Parquet/CSV (Ray Data actors)")
-    pred.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint directory")
+    _checkpoint_argument(pred)
     pred.add_argument("--data", required=True, metavar="PATH", help="a Parquet or CSV file, or a folder of them")
     pred.add_argument("--out", required=True, metavar="DIR", help="a new directory for the Parquet output")
     pred.add_argument("--features", default="", help="comma-separated input columns (default: the training data's)")
@@ -381,12 +412,11 @@ def _checkpoints(args: argparse.Namespace) -> None:
 def _export(args: argparse.Namespace) -> None:
     from rayjobs.checkpoint import CheckpointError, export_weights
 
-    if not os.path.isdir(args.checkpoint):
-        raise ConfigError(f"export: no checkpoint directory at {args.checkpoint}")
     if not args.out.endswith((".pt", ".pth", ".safetensors")):
         raise ConfigError(f"export: --out must end in .pt, .pth or .safetensors, got {args.out!r}")
+    checkpoint = checkpoint_directory(args)
     try:
-        info = export_weights(args.checkpoint, args.out, args.trust_model)
+        info = export_weights(checkpoint, args.out, args.trust_model)
     except CheckpointError as exc:
         raise ConfigError(f"export: {exc}") from None
     print(
@@ -399,9 +429,7 @@ def _eval(args: argparse.Namespace) -> None:
     from rayjobs.evaluation import evaluate_checkpoint, format_eval
     from rayjobs.train import write_summary
 
-    if not os.path.isdir(args.checkpoint):
-        raise ConfigError(f"eval: no checkpoint directory at {args.checkpoint}")
-    result = evaluate_checkpoint(args.checkpoint, args.split, args.overrides, args.trust_model)
+    result = evaluate_checkpoint(checkpoint_directory(args), args.split, args.overrides, args.trust_model)
     print(format_eval(result))
     if args.summary:
         write_summary(result, args.summary)
@@ -410,12 +438,11 @@ def _eval(args: argparse.Namespace) -> None:
 def _predict(args: argparse.Namespace) -> None:
     from rayjobs.predict import predict
 
-    if not os.path.isdir(args.checkpoint):
-        raise ConfigError(f"predict: no checkpoint directory at {args.checkpoint}")
     if args.batch_size < 1:
         raise ConfigError(f"predict: --batch-size must be >= 1, got {args.batch_size}")
+    checkpoint = checkpoint_directory(args)
     features = [f.strip() for f in args.features.split(",") if f.strip()]
-    done = predict(args.checkpoint, args.data, args.out, features, args.trust_model, args.batch_size)
+    done = predict(checkpoint, args.data, args.out, features, args.trust_model, args.batch_size)
     print(f"predicted {done['rows']} rows ({', '.join(done['features'])}) on {done['actors']} actor(s): {done['out']}")
 
 

@@ -83,7 +83,12 @@ def check_init_from(cfg: Any) -> str:
     from rayjobs.checkpoint import saved_config, verify
     from rayjobs.errors import ConfigError
 
-    path = _mlflow_checkpoint(cfg, source) if source.startswith(("runs:/", "models:/")) else source
+    if source.startswith(MLFLOW_SOURCES):
+        from rayjobs.tracking import tracking_uri
+
+        path = mlflow_checkpoint(tracking_uri(cfg), source, "model.init_from")
+    else:
+        path = source
     if not os.path.isdir(path):
         raise ConfigError(f"model.init_from: no checkpoint directory at {path}")
     problem = verify(path)
@@ -99,14 +104,19 @@ def check_init_from(cfg: Any) -> str:
     return path
 
 
-def _mlflow_checkpoint(cfg: Any, source: str) -> str:
-    """The checkpoint directory an MLflow run's model was logged from (its ``rayjobs.model_checkpoint`` tag)."""
+MLFLOW_SOURCES = ("runs:/", "models:/")
+
+
+def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
+    """The checkpoint directory that ``runs:/RUN_ID`` or ``models:/NAME/VERSION|@ALIAS`` was logged from
+    (its run's ``rayjobs.model_checkpoint`` tag) in the MLflow store at ``uri``; ``what`` names the
+    argument in the one-line error."""
     from mlflow import MlflowClient
 
     from rayjobs.errors import ConfigError
-    from rayjobs.tracking import MODEL_CHECKPOINT_TAG, tracking_uri
+    from rayjobs.tracking import MODEL_CHECKPOINT_TAG
 
-    client = MlflowClient(tracking_uri(cfg))
+    client = MlflowClient(uri)
     try:
         if source.startswith("models:/"):
             name, _, version = source.removeprefix("models:/").partition("/")
@@ -119,9 +129,9 @@ def _mlflow_checkpoint(cfg: Any, source: str) -> str:
             run_id = source.removeprefix("runs:/").split("/", 1)[0]
         tags = client.get_run(run_id).data.tags
     except Exception as exc:  # noqa: BLE001 - an unknown name, version or run is the user's to fix
-        raise ConfigError(f"model.init_from: {source} not found in {tracking_uri(cfg)}: {exc}") from None
+        raise ConfigError(f"{what}: {source} not found in {uri}: {_first_line(exc)}") from None
     if MODEL_CHECKPOINT_TAG not in tags:
-        raise ConfigError(f"model.init_from: MLflow run {run_id} ({source}) logged no rayjobs checkpoint")
+        raise ConfigError(f"{what}: MLflow run {run_id} ({source}) logged no rayjobs checkpoint")
     return tags[MODEL_CHECKPOINT_TAG]
 
 
@@ -138,3 +148,8 @@ def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
         return None
     log.note(est.format(layout))
     return est.total
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

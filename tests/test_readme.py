@@ -173,6 +173,9 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         mlflow.set_tracking_uri(f"sqlite:///{cwd / 'results' / 'mlflow.db'}")
         runs = mlflow.search_runs(experiment_names=["rayjobs"], filter_string="metrics.`val/within_half` >= 0")
         assert len(runs) >= (3 if cmd.text.startswith("rayjobs tune") else 1), runs
+    if cmd.text.startswith("rayjobs eval models:/digits-best/"):  # the registered best trial's checkpoint
+        assert re.search(r"eval of \w+ at step \d+ on digits/test \(270 rows", out), out[-2000:]
+        assert accuracy and float(accuracy[-1]) >= 0.8, out[-2000:]
     if cmd.text.startswith("rayjobs eval results/digits-ddp/"):  # the run's own test accuracy, exactly
         import mlflow
 

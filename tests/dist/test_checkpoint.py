@@ -6,6 +6,7 @@ The Ray variants (a worker killed hard, 2 workers -> 1, NaN on one rank) are in 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -396,3 +397,31 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
         assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {line}", proc.stderr
     proc = run_cli("eval", str(tmp_path / "nope"))
     assert proc.stderr.strip() == f"rayjobs: error: eval: no checkpoint directory at {tmp_path / 'nope'}"
+
+
+def test_eval_and_export_take_the_mlflow_run_of_a_checkpoint(uninterrupted, tmp_path, monkeypatch):
+    """`rayjobs eval runs:/RUN_ID`: the checkpoint the run logged its model from; the store is named by
+    --tracking-uri (or $MLFLOW_TRACKING_URI, or ./results/mlflow.db); what is not there is one line."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # a local-mode run in this process set it
+    store = f"sqlite:///{Path(uninterrupted['storage_path']).parent / 'mlflow.db'}"
+    source = f"runs:/{uninterrupted['mlflow_run_id']}"
+    proc = run_cli("eval", source, "--tracking-uri", store, "--summary", str(tmp_path / "eval.json"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads((tmp_path / "eval.json").read_text())
+    assert got["checkpoint"] == str(Path(uninterrupted["checkpoint"]).resolve())
+    assert got["metrics"]["test/accuracy"] == uninterrupted["metrics"]["test/accuracy"]
+    os.makedirs(tmp_path / "results")
+    os.symlink(Path(uninterrupted["storage_path"]).parent / "mlflow.db", tmp_path / "results" / "mlflow.db")
+    export = run_cli("export", source, "--out", str(tmp_path / "w.pt"), cwd=tmp_path)  # ./results/mlflow.db
+    assert export.returncode == 0 and (tmp_path / "w.pt").stat().st_size > 0, export.stderr[-2000:]
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    proc = run_cli("eval", "models:/nope/1", cwd=elsewhere)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"rayjobs: error: eval: models:/nope/1 needs an MLflow store: none at {elsewhere / 'results' / 'mlflow.db'}; "
+        "pass --tracking-uri"
+    )
+    proc = run_cli("predict", "runs:/0123abc", "--data", "x", "--out", "y", "--tracking-uri", store, cwd=elsewhere)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"rayjobs: error: predict: runs:/0123abc not found in {store}: "), proc.stderr
