@@ -92,3 +92,34 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(ray_cluster, tmp_path):
     message = str(info.value)
     assert "non-finite loss at step 7 on rank(s) 1; every rank stopped at that step" in message
     assert ckpt.latest_complete(tmp_path / "nan") is None  # nothing after the NaN was saved
+
+
+def test_a_users_task_and_data_resume_bit_identical_after_a_worker_kill(ray_cluster, tmp_path):
+    """tests/user_model.py's map-style data and Huber task (its own metric) on 2 DDP workers: rank 1
+    killed hard at step 25 resumes from step 20 to the same weights and the same metric values."""
+    user = [
+        "model.name=mlp",
+        "model.kwargs={hidden: 32, depth: 2}",
+        "data.name=user_model:sine_data",
+        "task.name=user_model:huber_task",
+        "training.epochs=3",
+        "training.batch_size=32",
+        "tracking.enabled=false",
+    ]
+    steps = 3 * (358 // 32)  # 33
+    reference = train.run(cfg_for(tmp_path, "user-ref", *user))
+    killed = train.run(
+        cfg_for(
+            tmp_path, "user-killed", *user, "faults.kill_rank=1", "faults.kill_at_step=25", "failure.max_failures=1"
+        )
+    )
+    assert (tmp_path / "user-killed" / ".faults" / "kill_rank1_step25").exists()
+    assert killed["metrics"]["step"] == reference["metrics"]["step"] == steps
+    a, b = weights(reference["checkpoint"]), weights(killed["checkpoint"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ref = {h["step"]: h for h in read_history(reference["history"])}
+    new = {h["step"]: h for h in read_history(killed["history"])}
+    for step in (30, steps):
+        assert new[step]["val/within_half"] == ref[step]["val/within_half"], (new[step], ref[step])
+        assert new[step]["train/loss"] == ref[step]["train/loss"]
+    assert killed["metrics"]["test/within_half"] == reference["metrics"]["test/within_half"]
