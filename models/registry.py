@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models import hf
+
 
 @dataclass(frozen=True)
 class DataInfo:
@@ -87,6 +89,8 @@ def model_names() -> list[str]:
 def parallel_plan(name: str) -> ParallelPlan:
     """The parallel plan of a registry model, or the one a user's ``module:callable`` builder carries as
     its ``parallel_plan`` attribute (``build.parallel_plan = ParallelPlan(...)``; none: an empty plan)."""
+    if hf.is_hf(name):
+        return ParallelPlan(layers_attr=hf.layers_attr(name))
     if not is_import_path(name):
         return get_spec(name).parallel
     plan = getattr(resolve_callable(name), "parallel_plan", NO_PARALLEL_PLAN)
@@ -96,8 +100,13 @@ def parallel_plan(name: str) -> ParallelPlan:
 
 
 def is_import_path(name: str) -> bool:
-    """True for a user's own model given as ``package.module:callable``."""
-    return ":" in name
+    """True for a user's own model given as ``package.module:callable`` (not ``hf:<dir>``)."""
+    return ":" in name and not hf.is_hf(name)
+
+
+def is_registered(name: str) -> bool:
+    """True for a model of this registry (not a user's callable, not ``hf:<dir>``)."""
+    return ":" not in name
 
 
 def resolve_callable(path: str) -> Callable[..., Any]:
@@ -115,7 +124,10 @@ def resolve_callable(path: str) -> Callable[..., Any]:
 
 
 def build_model(name: str, flavor: str, kwargs: dict[str, Any], info: DataInfo) -> nn.Module:
-    """Build a registered model (flavor preset, then ``kwargs`` on top) or a user's callable."""
+    """Build a registered model (flavor preset, then ``kwargs`` on top), ``hf:<dir>`` (``kwargs``
+    replace config fields) or a user's callable."""
+    if hf.is_hf(name):
+        return hf.build(name, info, **kwargs)
     if is_import_path(name):
         model = resolve_callable(name)(**kwargs)
         if not isinstance(model, nn.Module):
@@ -145,7 +157,7 @@ def count_flops_per_sample(model: nn.Module, info: DataInfo) -> float:
 
 def flops_per_sample(name: str, model: nn.Module, info: DataInfo) -> float:
     """Training FLOPs per sample: the spec's formula when it has one, else counted by torch."""
-    if not is_import_path(name):
+    if is_registered(name):
         spec = get_spec(name)
         if spec.flops_per_sample is not None:
             return spec.flops_per_sample(model, info)

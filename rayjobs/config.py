@@ -96,7 +96,7 @@ class ModelSection(Section):
         problems = _model_problems(self)
         if problems:
             raise _MultiError(problems)
-        if self.flavor == "" and not _is_import_path(self.name):
+        if self.flavor == "" and ":" not in self.name:  # a registry model (not a callable, not hf:)
             from models import get_spec
 
             self.flavor = get_spec(self.name).default_flavor
@@ -462,7 +462,12 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _model_fits_data(self) -> RunConfig:
-        if not _is_import_path(self.model.name):
+        if self.model.name.startswith("hf:") and self.data.kind != "tokens":
+            raise _MultiError(
+                [("model.name", f"{self.model.name} is a causal LM: it needs tokens data, but data.name="
+                  f"{self.data.name} gives {self.data.kind}")]
+            )  # fmt: skip
+        if ":" not in self.model.name:
             from models import get_spec
 
             spec = get_spec(self.model.name)
@@ -478,7 +483,8 @@ class RunConfig(Section):
                 )
         self._task_fits()
         if not self.run.name:
-            base = self.model.name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+            base = self.model.name.rsplit(":", 1)[-1]
+            base = os.path.basename(base.rstrip("/")) if self.model.name.startswith("hf:") else base.rsplit(".", 1)[-1]
             self.run.name = f"{base}-{self.data.name.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         return self
 
@@ -559,7 +565,7 @@ class _MultiError(ValueError):
 
 
 def _is_import_path(name: str) -> bool:
-    return ":" in name
+    return ":" in name and not name.startswith("hf:")
 
 
 def _data_problems(d: DataSection) -> list[tuple[str, str]]:
@@ -600,6 +606,13 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
     from models import get_spec, model_names
     from models.registry import resolve_callable
 
+    if m.name.startswith("hf:"):
+        from models import hf
+
+        found = [("model.name", line) for line in hf.problems(m.name)]
+        if m.flavor:
+            found.append(("model.flavor", f"flavors apply to registry models only; remove it for {m.name!r}"))
+        return found
     if _is_import_path(m.name):
         problems = []
         try:
@@ -614,7 +627,9 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
     if m.name not in model_names():
         hint = _did_you_mean(m.name, model_names())
         known = " | ".join(model_names())
-        return [("model.name", f"unknown model {m.name!r}{hint}; known: {known} (or package.module:callable)")]
+        return [
+            ("model.name", f"unknown model {m.name!r}{hint}; known: {known} (or package.module:callable, or hf:DIR)")
+        ]
     spec = get_spec(m.name)
     problems = _kwargs_problems("model.kwargs", spec.builder, m.kwargs, m.name, skip=("info",))
     if m.flavor and m.flavor not in spec.flavors:

@@ -68,8 +68,8 @@ def _stage_of(name: str, layout: Layout, plan: ParallelPlan, block_names: list[s
     if layout.pp == 1:
         return None
     parts = name.split(".")
-    if parts[0] == plan.layers_attr:
-        index = block_names.index(parts[1])
+    if plan.layers_attr and name.startswith(plan.layers_attr + "."):
+        index = block_names.index(name[len(plan.layers_attr) + 1 :].split(".")[0])
         bounds = layout.stage_bounds(len(block_names))
         return max(s for s in range(layout.pp) if bounds[s] <= index)
     if parts[0] in plan.pipeline_first:

@@ -21,6 +21,7 @@ from rayjobs.errors import ExplainedFailure
 RAY_RESULTS = "~/ray_results"
 DATA_PATH_KEYS = ("path", "val_path", "test_path")
 FILE_URI_PREFIXES = ("sqlite:///", "file://")
+HF_PREFIX = "hf:"  # model.name: hf:<dir> (models.hf)
 
 
 class RelativePath(ExplainedFailure):
@@ -70,6 +71,8 @@ def resolve(cfg: Any) -> list[str]:
         cfg.checkpoint.resume_from = os.path.abspath(os.path.expanduser(cfg.checkpoint.resume_from))
     if cfg.model.init_from and ":/" not in cfg.model.init_from:  # a path, not runs:/ or models:/
         cfg.model.init_from = os.path.abspath(os.path.expanduser(cfg.model.init_from))
+    if cfg.model.name.startswith(HF_PREFIX):  # hf:<dir>, read by every worker
+        cfg.model.name = HF_PREFIX + os.path.abspath(os.path.expanduser(cfg.model.name.removeprefix(HF_PREFIX)))
     cfg.tracking.uri = _absolute_file_uri(cfg.tracking.uri)
     return notes
 
@@ -101,6 +104,8 @@ def relative_paths(cfg: Any) -> list[str]:
     resume = cfg.checkpoint.resume_from
     if resume and not is_uri(resume) and not os.path.isabs(resume):
         found.append(f"checkpoint.resume_from={resume!r}")
+    if cfg.model.name.startswith(HF_PREFIX) and not os.path.isabs(cfg.model.name.removeprefix(HF_PREFIX)):
+        found.append(f"model.name={cfg.model.name!r}")
     return found
 
 

@@ -271,3 +271,14 @@ def checkpoint_weights(path: str, trust_model: str = "") -> dict:
     out = Path(path).parent / (Path(path).name + ".pt")
     ckpt.export_weights(path, out, trust_model)
     return torch.load(out, weights_only=True)
+
+
+def tiny_gpt2(path: Path) -> Path:
+    """A 2-layer GPT-2 transformers config at ``path`` (byte vocabulary, no dropout): an ``hf:`` model."""
+    from transformers import GPT2Config
+
+    GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    ).save_pretrained(path)  # fmt: skip
+    return path

@@ -17,6 +17,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -114,6 +115,10 @@ def user_dir(tmp_path_factory):
     my_task = re.search(r"```python\n# my_task.py\n(.*?)```", readme, re.S)
     assert my_task, "README's my_task.py example is gone"
     (d / "my_task.py").write_text(my_task.group(1))
+    tiny = re.search(r"```python\n# tiny_gpt2.py[^\n]*\n(.*?)```", readme, re.S)
+    assert tiny, "README's tiny_gpt2.py example is gone"
+    (d / "tiny_gpt2.py").write_text(tiny.group(1))
+    subprocess.run([sys.executable, "tiny_gpt2.py"], cwd=d, check=True, timeout=120)  # as the README says
     (d / "my_csvs").mkdir()
     rows = ["a,b,y", *(f"{i % 7},{(i * 3) % 5},{i % 2}" for i in range(200))]
     (d / "my_csvs" / "part.csv").write_text("\n".join(rows) + "\n")
@@ -152,6 +157,9 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         assert accuracy and float(accuracy[-1]) >= 0.97, out[-3000:]
     if cmd.text == "rayjobs train":  # the launch timeline, phase by phase, as the README shows it
         assert re.search(r"first step after \d+\.\d s: driver \d+\.\d s, ray \d+\.\d s, .*workers", out), out[-3000:]
+    if "model.name=hf:tiny-gpt2" in cmd.text:  # a transformers model on the byte corpus: it learns
+        loss = re.findall(r"val/loss (\d+\.\d+)", out)
+        assert loss and float(loss[-1]) < 4.0 and "val/perplexity" in out, out[-3000:]
     if "model.name=my_net:build" in cmd.text:
         assert accuracy and float(accuracy[-1]) >= 0.90, out[-3000:]
     if "data.kwargs.path=data/digits" in cmd.text:  # tracking on: a FINISHED MLflow run with the model

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models import ParallelPlan, build_model, is_import_path, parallel_plan
+from models.hf import is_hf
 from rayjobs.config import RunConfig
 from rayjobs.context import WorkerContext
 from rayjobs.parallel import ddp, fsdp, pp, tp
@@ -34,8 +35,13 @@ class Parallelized:
 
 
 def blocks_of(model: nn.Module, plan: ParallelPlan) -> nn.ModuleDict | nn.ModuleList | None:
-    """The model's repeated blocks (the plan's ``layers_attr``), or None."""
-    blocks = getattr(model, plan.layers_attr, None) if plan.layers_attr else None
+    """The model's repeated blocks (the plan's ``layers_attr``, a dotted path), or None."""
+    if not plan.layers_attr:
+        return None
+    try:
+        blocks = model.get_submodule(plan.layers_attr)
+    except AttributeError:
+        return None
     return blocks if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)) else None
 
 
@@ -56,6 +62,11 @@ def layout_problems(cfg: RunConfig, world_size: int, use_gpu: bool) -> list[str]
     except ValueError as exc:
         return [str(exc)]
     p, plan = cfg.parallel, parallel_plan(cfg.model.name)
+    if is_hf(cfg.model.name) and (layout.tp > 1 or layout.pp > 1):
+        return [
+            f"parallel.strategy={p.strategy}: {cfg.model.name} trains under ddp, fsdp and hsdp; tensor and "
+            "pipeline parallel need a plan that a transformers model does not carry here"
+        ]
     if (layout.tp > 1 and not plan.tp_plan) or (layout.pp > 1 and not plan.can_pipeline):
         if is_import_path(cfg.model.name):
             return [

@@ -92,6 +92,39 @@ def test_a_text_corpus_trains_gpt_and_resumes_inside_an_epoch(ray_cluster, tmp_p
     assert [h["step"] for h in evals] == sorted({h["step"] for h in evals})  # no step twice after the resume
 
 
+def test_a_transformers_model_trains_on_text_under_fsdp_on_two_workers(ray_cluster, tmp_path):
+    """`model.name: hf:<dir>` (a tiny GPT-2 config, nothing downloaded) on the byte-level text corpus:
+    2 Ray workers, FSDP2 per decoder layer, 20 steps, the validation loss goes down."""
+    pytest.importorskip("transformers")
+    from conftest import tiny_gpt2
+
+    _corpus(tmp_path / "train")
+    _corpus(tmp_path / "val")
+    tiny = tiny_gpt2(tmp_path / "tiny-gpt2")
+    cfg = load_config(
+        None,
+        [
+            f"run.storage_path={tmp_path}",
+            f"model.name=hf:{tiny}",
+            "data.name=text",
+            f"data.kwargs={{path: {tmp_path / 'train'}, val_path: {tmp_path / 'val'}, seq_len: 32}}",
+            "parallel.strategy=fsdp",
+            "scaling.num_workers=2",
+            "scaling.resources_per_worker={CPU: 0.5}",  # a CPU left for Ray Data's reads
+            "optim.lr=0.003",
+            "training.batch_size=16",
+            "training.max_steps=20",
+            "training.eval_every=10",
+            "tracking.enabled=false",
+        ],
+    )
+    assert cfg.run.name == "tiny-gpt2-text"
+    summary = train.run(cfg)
+    evals = [h for h in read_history(summary["history"]) if "val/loss" in h]
+    assert [h["step"] for h in evals] == [10, 20] and summary["metrics"]["step"] == 20
+    assert evals[-1]["val/loss"] < evals[0]["val/loss"] < 5.6, evals  # ln(256) = 5.55 at random
+
+
 def test_no_cpu_left_for_ray_data_is_said_before_training(ray_cluster, capfd):
     """Workers that take every CPU would starve Ray Data's read tasks: the driver says so, and how to fix it."""
     from rayjobs.launch import init_ray
