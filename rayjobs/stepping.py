@@ -23,7 +23,7 @@ from rayjobs import parallel
 from rayjobs.config import RunConfig
 from rayjobs.context import WorkerContext, all_reduce_sum
 from rayjobs.parallel import pp
-from rayjobs.tasks import Classification, Task
+from rayjobs.tasks import Classification, Task, metric_inputs, metric_objects
 
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -152,6 +152,7 @@ def evaluate(
     model.eval()
     task = task or Classification()
     totals: dict[str, float] = {}
+    objects = {name: m.to(ctx.device) for name, m in metric_objects(task).items()}  # a user's torchmetrics
     shard, shards = ctx.data_shard
     # A pipeline's stages were shaped for the training batch: evaluate in batches of that size.
     batch = cfg.training.batch_size // shards if pipeline else max(64, cfg.training.batch_size)
@@ -166,10 +167,13 @@ def evaluate(
             continue
         for key, value in task.sums(output.float(), y).items():
             totals[key] = totals.get(key, 0.0) + float(value)
+        for m in objects.values():
+            m.update(*metric_inputs(task, output.float(), y))
     keys = _all_keys(totals, ctx)
     summed = all_reduce_sum([totals.get(k, 0.0) for k in keys], ctx)
     model.train()
     metrics = task.finish(dict(zip(keys, summed)))
+    metrics.update({name: float(m.compute()) for name, m in objects.items()})  # synced over the ranks
     return {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
 
 

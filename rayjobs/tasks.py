@@ -43,8 +43,27 @@ class Task(Protocol):
         ...
 
     def finish(self, sums: dict[str, float]) -> dict[str, float]:
-        """The task's metrics (every name of ``metrics``) from the sums of a whole split."""
+        """The task's metrics (every name of ``metrics`` that ``metric_objects`` does not give) from the
+        sums of a whole split."""
         ...
+
+
+# Optional on a task: ``metric_objects() -> dict[str, torchmetrics.Metric]``, fresh objects for one
+# evaluation, named by entries of ``metrics``. Each is updated with every batch's ``(output, target)``
+# (or ``metric_inputs(output, target)`` when the task has it) and computed over the whole split;
+# torchmetrics syncs its states over the ranks itself, so these too are exact at any world size.
+
+
+def metric_objects(task: Task) -> dict[str, Any]:
+    """The task's torchmetrics objects for one evaluation (none for the shipped tasks)."""
+    make = getattr(task, "metric_objects", None)
+    return dict(make()) if make is not None else {}
+
+
+def metric_inputs(task: Task, output: Tensor, target: Tensor) -> tuple[Any, ...]:
+    """What a task's torchmetrics objects are updated with: ``metric_inputs`` if it has one."""
+    adapt = getattr(task, "metric_inputs", None)
+    return tuple(adapt(output, target)) if adapt is not None else (output, target)
 
 
 def _flat_logits(output: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
@@ -181,6 +200,16 @@ def build_task(name: str, kwargs: dict[str, Any] | None = None) -> Task:
         )
     if task.targets not in ("class", "real"):
         raise TypeError(f"{name}: targets must be 'class' or 'real', got {task.targets!r}")
+    objects = metric_objects(task)
+    if objects:
+        from torchmetrics import Metric  # a task that makes them imports torchmetrics itself
+
+        wrong = [k for k, m in objects.items() if not isinstance(m, Metric) or k not in task.metrics]
+        if wrong:
+            raise TypeError(
+                f"{name}: metric_objects() must map names in metrics {tuple(task.metrics)} to torchmetrics.Metric "
+                f"objects; {', '.join(wrong)} is not"
+            )
     return task
 
 

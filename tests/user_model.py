@@ -134,3 +134,46 @@ def _user_gpt_plan():
 
 
 user_gpt.parallel_plan = _user_gpt_plan()
+
+
+class MetricObjectsRegression:
+    """A user's regression task whose r2 and mae are torchmetrics objects (its sums give only the loss)."""
+
+    name, targets = "tm_regression", "real"
+    metrics = ("loss", "r2", "mae")
+    metric, mode = "r2", "max"
+
+    def loss(self, output, target):
+        return (output.reshape(target.shape) - target).pow(2).mean()
+
+    def sums(self, output, target) -> dict[str, float]:
+        return {"sse": (output.reshape(target.shape) - target).pow(2).sum().item(), "n": target.numel()}
+
+    def finish(self, sums: dict[str, float]) -> dict[str, float]:
+        return {"loss": sums["sse"] / max(sums["n"], 1)}
+
+    def metric_objects(self) -> dict:
+        import torchmetrics
+
+        return {"r2": torchmetrics.R2Score(), "mae": torchmetrics.MeanAbsoluteError()}
+
+    def metric_inputs(self, output, target) -> tuple:
+        return output.reshape(target.shape), target
+
+
+def metric_objects_task() -> MetricObjectsRegression:
+    """A user's task builder with torchmetrics metrics."""
+    return MetricObjectsRegression()
+
+
+class _NotAMetric:
+    name, targets, metrics, metric, mode = "bad", "real", ("loss", "r2"), "r2", "max"
+    loss, sums, finish = MetricObjectsRegression.loss, MetricObjectsRegression.sums, MetricObjectsRegression.finish
+
+    def metric_objects(self) -> dict:
+        return {"r2": "not a metric"}
+
+
+def not_a_metric_task() -> _NotAMetric:
+    """metric_objects() gives something that is not a torchmetrics.Metric."""
+    return _NotAMetric()

@@ -159,6 +159,8 @@ def _regression_eval_worker(rank: int, world: int, port: int, out: str) -> None:
 
     import torch.distributed as dist
 
+    from user_model import metric_objects_task
+
     from rayjobs import tasks
     from rayjobs.data import diabetes
 
@@ -171,6 +173,7 @@ def _regression_eval_worker(rank: int, world: int, port: int, out: str) -> None:
         cfg = from_dict({"model": {"name": "mlp"}, "data": {"name": "diabetes"}, "training": {"batch_size": 8}})
         ctx = WorkerContext.from_process_group()
         got = stepping.evaluate(model, diabetes().val, cfg, ctx, "val", task=tasks.Regression())
+        got.update(stepping.evaluate(model, diabetes().val, cfg, ctx, "tm", task=metric_objects_task()))
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(got, f)
@@ -190,9 +193,14 @@ def test_regression_metrics_over_two_ranks_equal_one_process(tmp_path):
     model = torch.nn.Linear(10, 1)
     cfg = from_dict({"model": {"name": "mlp"}, "data": {"name": "diabetes"}})
     one = stepping.evaluate(model, diabetes().val, cfg, CPU, "val", task=tasks.Regression())
-    two = json.loads((tmp_path / "two.json").read_text())
     assert set(one) == {"val/loss", "val/mse", "val/mae", "val/r2"}
+    # A user's task whose metrics are torchmetrics objects: torchmetrics syncs them over the ranks.
+    one.update(stepping.evaluate(model, diabetes().val, cfg, CPU, "tm", task=tasks.build_task("user_model:metric_objects_task")))
+    two = json.loads((tmp_path / "two.json").read_text())
     assert two == pytest.approx(one, rel=1e-6)  # float32 batch sums, other batch sizes
+    assert {k: one[f"tm/{k}"] for k in ("loss", "r2", "mae")} == pytest.approx(
+        {k: one[f"val/{k}"] for k in ("loss", "r2", "mae")}, rel=1e-5
+    )  # torchmetrics' R2Score and MAE agree with the shipped sums
 
 
 def _early(tmp_path, name: str, *extra: str):

@@ -58,6 +58,10 @@ def test_a_users_task_is_checked_for_what_rayjobs_asks_of_it():
     assert isinstance(task, tasks.Task) and task.delta == 0.5
     with pytest.raises(TypeError, match="without sums, finish"):
         tasks.build_task("user_model:half_task")
+    with pytest.raises(TypeError, match=r"metric_objects\(\) must map names in metrics \('loss', 'r2'\) to "
+                       r"torchmetrics.Metric objects; r2 is not"):  # fmt: skip
+        tasks.build_task("user_model:not_a_metric_task")
+    assert set(tasks.metric_objects(tasks.build_task("user_model:metric_objects_task"))) == {"r2", "mae"}
 
 
 @pytest.mark.parametrize(
