@@ -10,12 +10,14 @@ through Ray's runtime environment (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,24 @@ def artifact_location(cfg: Any) -> str | None:
     if cfg.tracking.uri.startswith(("http://", "https://")):
         return None
     return Path(cfg.storage_path, "mlartifacts").as_uri()
+
+
+@contextlib.contextmanager
+def fluent_store(uri: str) -> Iterator[None]:
+    """MLflow's fluent API (``mlflow.start_run``, ``register_model``) on ``uri`` for the block, then as before.
+
+    ``mlflow.set_tracking_uri`` also sets ``MLFLOW_TRACKING_URI`` in this process's environment, which
+    every later child process would inherit (a ``rayjobs eval models:/...`` after a run in the same
+    Python session looked in that run's store); the previous value is put back.
+    """
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(before)  # None unsets the variable again
 
 
 def worker_env(cfg: Any) -> dict[str, str]:
@@ -184,8 +204,8 @@ class Tracker:
         """Register a logged model under ``name``: (name, version)."""
         import mlflow
 
-        mlflow.set_tracking_uri(self.uri)
-        version = mlflow.register_model(model_uri, name)
+        with fluent_store(self.uri):
+            version = mlflow.register_model(model_uri, name)
         return version.name, str(version.version)
 
 
@@ -465,8 +485,7 @@ def log_model(tracker: Tracker, run_id: str, checkpoint: str) -> None:
     with torch.no_grad():
         output = model(example)
     signature = infer_signature(example.numpy(), output.numpy())
-    mlflow.set_tracking_uri(tracker.uri)
-    with mlflow.start_run(run_id=run_id):
+    with fluent_store(tracker.uri), mlflow.start_run(run_id=run_id):
         info = mlflow.pytorch.log_model(
             model,
             name="model",

@@ -399,10 +399,9 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
     assert proc.stderr.strip() == f"rayjobs: error: eval: no checkpoint directory at {tmp_path / 'nope'}"
 
 
-def test_eval_and_export_take_the_mlflow_run_of_a_checkpoint(uninterrupted, tmp_path, monkeypatch):
+def test_eval_and_export_take_the_mlflow_run_of_a_checkpoint(uninterrupted, tmp_path):
     """`rayjobs eval runs:/RUN_ID`: the checkpoint the run logged its model from; the store is named by
     --tracking-uri (or $MLFLOW_TRACKING_URI, or ./results/mlflow.db); what is not there is one line."""
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # a local-mode run in this process set it
     store = f"sqlite:///{Path(uninterrupted['storage_path']).parent / 'mlflow.db'}"
     source = f"runs:/{uninterrupted['mlflow_run_id']}"
     proc = run_cli("eval", source, "--tracking-uri", store, "--summary", str(tmp_path / "eval.json"), cwd=tmp_path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -263,6 +264,9 @@ def test_a_warm_start_from_a_registered_model_starts_at_its_accuracy(tmp_path):
     base = [f"run.storage_path={tmp_path}", "scaling.num_workers=0", "model.name=mlp", "training.batch_size=32"]
     first = train.run(load_config(None, [*base, "run.name=teacher", "training.epochs=3", "tracking.register_as=digits-mlp"]))
     assert first["metrics"]["test/accuracy"] >= 0.95
+    # Logging and registering the model left this process's environment as it was (no
+    # MLFLOW_TRACKING_URI for a later child process, such as `rayjobs eval models:/...`, to inherit).
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     cfg = load_config(None, [*base, "run.name=student", "training.epochs=1", "model.init_from=models:/digits-mlp/1"])
     summary = train.run(cfg)
     started = RunDir(str(tmp_path / "student")).read_events("warm_start")
