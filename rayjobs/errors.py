@@ -18,3 +18,9 @@ class TrainingFailed(Exception):
 class ExplainedFailure(RuntimeError):
     """A failure during training whose message already says what happened and what to try
     (an out-of-memory, unlike devices): shown as one line, without a traceback."""
+
+
+def first_line(exc: BaseException) -> str:
+    """``Type: the first line of its message``: a library's error as one line of ours."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"

@@ -113,7 +113,7 @@ def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
     argument in the one-line error."""
     from mlflow import MlflowClient
 
-    from rayjobs.errors import ConfigError
+    from rayjobs.errors import ConfigError, first_line
     from rayjobs.tracking import MODEL_CHECKPOINT_TAG
 
     client = MlflowClient(uri)
@@ -129,7 +129,7 @@ def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
             run_id = source.removeprefix("runs:/").split("/", 1)[0]
         tags = client.get_run(run_id).data.tags
     except Exception as exc:  # noqa: BLE001 - an unknown name, version or run is the user's to fix
-        raise ConfigError(f"{what}: {source} not found in {uri}: {_first_line(exc)}") from None
+        raise ConfigError(f"{what}: {source} not found in {uri}: {first_line(exc)}") from None
     if MODEL_CHECKPOINT_TAG not in tags:
         raise ConfigError(f"{what}: MLflow run {run_id} ({source}) logged no rayjobs checkpoint")
     return tags[MODEL_CHECKPOINT_TAG]
@@ -148,8 +148,3 @@ def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
         return None
     log.note(est.format(layout))
     return est.total
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

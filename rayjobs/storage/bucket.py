@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from rayjobs.errors import ExplainedFailure
+from rayjobs.errors import ExplainedFailure, first_line
 
 
 class StoreError(ExplainedFailure):
@@ -34,13 +34,8 @@ def open_filesystem(uri: str) -> tuple[Any, str]:
     try:
         fs, path = pafs.FileSystem.from_uri(uri)
     except Exception as exc:  # noqa: BLE001 - pyarrow raises several kinds; the message says which
-        raise StoreError(f"run.storage_path {uri}: cannot open it: {_first_line(exc)}") from None
+        raise StoreError(f"run.storage_path {uri}: cannot open it: {first_line(exc)}") from None
     return fs, path.rstrip("/")
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 class RunStore:
@@ -62,7 +57,7 @@ class RunStore:
 
     def _wrap(self, what: str, rel: str, exc: BaseException) -> StoreError:
         return StoreError(
-            f"object store: cannot {what} {self.url(rel) if rel else self.url()}: {_first_line(exc)}; check the endpoint and the "
+            f"object store: cannot {what} {self.url(rel) if rel else self.url()}: {first_line(exc)}; check the endpoint and the "
             "credentials in this node's environment"
         )
 
