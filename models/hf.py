@@ -56,6 +56,29 @@ def problems(name: str) -> list[str]:
     return []
 
 
+def fit_problems(name: str, overrides: dict[str, Any], info: Any) -> list[str]:
+    """Why ``hf:<dir>``'s config (``config.json`` with ``overrides``) does not fit the data: its
+    vocabulary or positions too small (read as JSON: no transformers import)."""
+    import json
+
+    with open(os.path.join(directory(name), "config.json")) as f:
+        config = {**json.load(f), **overrides}
+    found = []
+    vocab = int(config.get("vocab_size") or 0)
+    if vocab < info.num_classes:
+        found.append(
+            f"{name}: vocab_size {vocab} is smaller than the data's {info.num_classes} tokens; "
+            f"set model.kwargs.vocab_size={info.num_classes}"
+        )
+    positions = config.get("max_position_embeddings") or config.get("n_positions")
+    if positions and info.input_shape and int(positions) < info.input_shape[0]:
+        found.append(
+            f"{name}: {positions} positions, but the data's sequences are {info.input_shape[0]} long; "
+            "shorten data.kwargs.seq_len or raise the model's positions"
+        )
+    return found
+
+
 def _config(path: str, overrides: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 
@@ -68,12 +91,9 @@ def build(name: str, info: Any, **overrides: Any) -> nn.Module:
 
     path = directory(name)
     config = _config(path, overrides)
-    vocab = getattr(config, "vocab_size", 0)
-    if info is not None and vocab < info.num_classes:
-        raise ValueError(f"{name}: vocab_size {vocab} is smaller than the data's {info.num_classes} tokens")
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if info is not None and positions and info.input_shape and positions < info.input_shape[0]:
-        raise ValueError(f"{name}: {positions} positions, but the data's sequences are {info.input_shape[0]} long")
+    found = fit_problems(name, overrides, info) if info is not None else []
+    if found:
+        raise ValueError(found[0])
     if glob.glob(os.path.join(path, "*.safetensors")) and torch.get_default_device().type != "meta":
         model = AutoModelForCausalLM.from_pretrained(path, config=config, local_files_only=True)
     else:

@@ -467,6 +467,13 @@ class RunConfig(Section):
                 [("model.name", f"{self.model.name} is a causal LM: it needs tokens data, but data.name="
                   f"{self.data.name} gives {self.data.kind}")]
             )  # fmt: skip
+        if self.model.name.startswith("hf:"):
+            from models import hf
+            from rayjobs.data import data_info
+
+            found = hf.fit_problems(self.model.name, self.model.kwargs, data_info(self.data.name, self.data.kwargs))
+            if found:
+                raise _MultiError([("model.name", line) for line in found])
         if ":" not in self.model.name:
             from models import get_spec
 
