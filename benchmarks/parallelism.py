@@ -55,28 +55,23 @@ def _worker(rank: int, port: int, strategy: str, flavor: str, out: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
     )
-    try:
-        cfg = _cfg(strategy, flavor)
-        ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
-        torch.manual_seed(0)
-        model = build_model("gpt", flavor, {}, data_info(cfg.data.name, cfg.data.kwargs))
-        par = parallel.apply(model, cfg, ctx, layout, tasks.LanguageModel().loss)
-        opt = stepping.build_optimizer(par.model, cfg)
-        x = torch.randint(0, 256, (BATCH, SEQ))
-        # Gradients are kept (no zero_grad) so that they are counted: set_to_none would free them.
-        loss = tasks.LanguageModel().loss(par.model(x), torch.roll(x, -1, 1))
-        loss.backward()
-        opt.step()
-        params = sum(_local_bytes(p) for p in par.model.parameters())
-        grads = sum(_local_bytes(p.grad) for p in par.model.parameters())
-        states = sum(
-            _local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
-        )
-        if rank == 0:
-            Path(out).write_text(json.dumps({"params": params, "grads": grads, "optimizer": states}))
-        dist.barrier()  # no rank tears down while another still talks
-    finally:
-        dist.destroy_process_group()
+    cfg = _cfg(strategy, flavor)
+    ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
+    torch.manual_seed(0)
+    model = build_model("gpt", flavor, {}, data_info(cfg.data.name, cfg.data.kwargs))
+    par = parallel.apply(model, cfg, ctx, layout, tasks.LanguageModel().loss)
+    opt = stepping.build_optimizer(par.model, cfg)
+    x = torch.randint(0, 256, (BATCH, SEQ))
+    # Gradients are kept (no zero_grad) so that they are counted: set_to_none would free them.
+    loss = tasks.LanguageModel().loss(par.model(x), torch.roll(x, -1, 1))
+    loss.backward()
+    opt.step()
+    params = sum(_local_bytes(p) for p in par.model.parameters())
+    grads = sum(_local_bytes(p.grad) for p in par.model.parameters())
+    states = sum(_local_bytes(v) for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"params": params, "grads": grads, "optimizer": states}))
+    dist.barrier()  # no rank tears down while another still talks
 
 
 def measure(strategy: str, flavor: str) -> dict[str, int]:

@@ -106,36 +106,33 @@ def _two_nodes_worker(rank: int, world: int, port: int, root: str, uri: str) -> 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
     )
-    try:
-        ctx = replace(WorkerContext.from_process_group(), local_rank=0)
-        local = Path(root, f"node{rank}")
-        store = RunStore(uri, "run")
-        model, opt, sched, cfg = gpt_ddp(ctx)
-        info = CASES["gpt"][0]
-        saver = Saver(str(local), ctx, {}, keep_last=2, async_save=True, store=store)
-        for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
-            per = x.shape[0] // world
-            stepping.train_step(
-                model, [(x[rank * per : (rank + 1) * per].long(), y[rank * per : (rank + 1) * per])], opt, cfg, ctx
-            )
-            saver.save(step, model, opt, sched, None, TrainState(step=step), force_sync=step < 3)
-        saver.wait()  # the async save of step 3 is uploaded here
-        # Node 1 never saw rank 0's shards: it downloads them, and both ranks load the same weights.
-        path = ckpt.fetch_latest(store, local, ctx)
-        assert path == str(local / ckpt.name_for(3)), path
-        fresh = wrap_ddp(build_model("gpt", "debug", {}, info), ctx)
-        fresh_opt = stepping.build_optimizer(fresh, cfg)
-        ckpt.load(path, fresh, fresh_opt, ctx)
-        for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
-            assert torch.equal(a, b), name
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    ctx = replace(WorkerContext.from_process_group(), local_rank=0)
+    local = Path(root, f"node{rank}")
+    store = RunStore(uri, "run")
+    model, opt, sched, cfg = gpt_ddp(ctx)
+    info = CASES["gpt"][0]
+    saver = Saver(str(local), ctx, {}, keep_last=2, async_save=True, store=store)
+    for step, (x, y) in enumerate(_data("gpt")[:3], start=1):
+        per = x.shape[0] // world
+        stepping.train_step(
+            model, [(x[rank * per : (rank + 1) * per].long(), y[rank * per : (rank + 1) * per])], opt, cfg, ctx
+        )
+        saver.save(step, model, opt, sched, None, TrainState(step=step), force_sync=step < 3)
+    saver.wait()  # the async save of step 3 is uploaded here
+    # Node 1 never saw rank 0's shards: it downloads them, and both ranks load the same weights.
+    path = ckpt.fetch_latest(store, local, ctx)
+    assert path == str(local / ckpt.name_for(3)), path
+    fresh = wrap_ddp(build_model("gpt", "debug", {}, info), ctx)
+    fresh_opt = stepping.build_optimizer(fresh, cfg)
+    ckpt.load(path, fresh, fresh_opt, ctx)
+    for (name, a), b in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    dist.barrier()
 
 
 def test_two_nodes_upload_their_own_shards_and_each_resumes_from_the_bucket(s3, aws, tmp_path, capsys):
     uri = s3("gloo")
-    spawn_ranks(_two_nodes_worker, 2, (2, free_port(), str(tmp_path), uri))
+    spawn_ranks(_two_nodes_worker, 2, (str(tmp_path), uri))
     store = RunStore(uri, "run")
     assert ckpt.checkpoint_names(store) == [ckpt.name_for(2), ckpt.name_for(3)]  # keep_last=2 pruned step 1
     manifest = ckpt.read_manifest(store, ckpt.name_for(3))

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import checkpoint_weights, free_port, spawn_ranks
+from conftest import checkpoint_weights, spawn_ranks
 from torch.utils.data import TensorDataset
 
 from models import build_model
@@ -92,60 +92,57 @@ def _worker(rank: int, world: int, port: int, strategy: str, extra: dict, out: s
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
     )
-    try:
-        cfg = _cfg(strategy, extra)
-        ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
-        shard, shards = ctx.data_shard
-        per = GLOBAL_BATCH // shards
+    cfg = _cfg(strategy, extra)
+    ctx, layout = parallel.place(cfg, WorkerContext.from_process_group())
+    shard, shards = ctx.data_shard
+    per = GLOBAL_BATCH // shards
 
-        def parallelized(seed: int):
-            par = parallel.apply(_model(cfg, seed), cfg, ctx, layout, tasks.LanguageModel().loss)
-            return par, stepping.build_optimizer(par.model, cfg)
+    def parallelized(seed: int):
+        par = parallel.apply(_model(cfg, seed), cfg, ctx, layout, tasks.LanguageModel().loss)
+        return par, stepping.build_optimizer(par.model, cfg)
 
-        def step(par, opt, x, y):
-            return stepping.train_step(
-                par.model,
-                [(x[shard * per : (shard + 1) * per], y[shard * per : (shard + 1) * per])],
-                opt,
-                cfg,
-                ctx,
-                pipeline=par.pipeline,
-            )
-
-        par, opt = parallelized(0)
-        batches = _batches()
-        results = [step(par, opt, x, y) for x, y in batches[:STEPS]]
-        evaluated = stepping.evaluate(par.model, _eval_set(), cfg, ctx, "val", pipeline=par.pipeline)
-        saver = Saver(out, ctx, cfg.model_dump(mode="json"), keep_last=1)
-        path = saver.save(STEPS, par.model, opt, stepping.build_scheduler(opt, cfg, 100), None, TrainState(step=STEPS))
-        saver.wait()
-
-        again, opt2 = parallelized(seed=7)  # other weights, then the checkpoint over them
-        ckpt.load(path, again.model, opt2, ctx)
-        same = all(
-            torch.equal(_local(a), _local(b))
-            for a, b in zip(par.model.state_dict().values(), again.model.state_dict().values())
+    def step(par, opt, x, y):
+        return stepping.train_step(
+            par.model,
+            [(x[shard * per : (shard + 1) * per], y[shard * per : (shard + 1) * per])],
+            opt,
+            cfg,
+            ctx,
+            pipeline=par.pipeline,
         )
-        x, y = batches[STEPS]
-        after = [step(par, opt, x, y).loss, step(again, opt2, x, y).loss]
-        if rank == 0:
-            Path(out, "result.json").write_text(
-                json.dumps(
-                    {
-                        "losses": [r.loss for r in results],
-                        "grad_norms": [r.grad_norm for r in results],
-                        "val_loss": evaluated["val/loss"],
-                        "val_accuracy": evaluated["val/accuracy"],
-                        "reloaded_equal": same,
-                        "after_reload": after,
-                        "checkpoint": path,
-                        "layout": layout.describe(),
-                    }
-                )
+
+    par, opt = parallelized(0)
+    batches = _batches()
+    results = [step(par, opt, x, y) for x, y in batches[:STEPS]]
+    evaluated = stepping.evaluate(par.model, _eval_set(), cfg, ctx, "val", pipeline=par.pipeline)
+    saver = Saver(out, ctx, cfg.model_dump(mode="json"), keep_last=1)
+    path = saver.save(STEPS, par.model, opt, stepping.build_scheduler(opt, cfg, 100), None, TrainState(step=STEPS))
+    saver.wait()
+
+    again, opt2 = parallelized(seed=7)  # other weights, then the checkpoint over them
+    ckpt.load(path, again.model, opt2, ctx)
+    same = all(
+        torch.equal(_local(a), _local(b))
+        for a, b in zip(par.model.state_dict().values(), again.model.state_dict().values())
+    )
+    x, y = batches[STEPS]
+    after = [step(par, opt, x, y).loss, step(again, opt2, x, y).loss]
+    if rank == 0:
+        Path(out, "result.json").write_text(
+            json.dumps(
+                {
+                    "losses": [r.loss for r in results],
+                    "grad_norms": [r.grad_norm for r in results],
+                    "val_loss": evaluated["val/loss"],
+                    "val_accuracy": evaluated["val/accuracy"],
+                    "reloaded_equal": same,
+                    "after_reload": after,
+                    "checkpoint": path,
+                    "layout": layout.describe(),
+                }
             )
-        dist.barrier()  # no rank tears down while another still talks
-    finally:
-        dist.destroy_process_group()
+        )
+    dist.barrier()  # no rank tears down while another still talks
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +166,7 @@ def reference() -> dict:
 @pytest.mark.parametrize("strategy", list(CASES))
 def test_strategy_matches_one_process_and_reloads(strategy, reference, tmp_path):
     world, extra = CASES[strategy]
-    spawn_ranks(_worker, world, (world, free_port(), strategy, extra, str(tmp_path)), timeout=240)
+    spawn_ranks(_worker, world, (strategy, extra, str(tmp_path)), timeout=240)
     got = json.loads((tmp_path / "result.json").read_text())
     assert got["losses"] == pytest.approx(reference["losses"], rel=RTOL), got["layout"]
     assert got["grad_norms"] == pytest.approx(reference["grad_norms"], rel=RTOL)
