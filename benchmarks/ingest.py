@@ -1,9 +1,10 @@
-"""Data ingest: the share of each step spent waiting for data (default config), and Ray Data's
-throughput against a torch DataLoader over the same Parquet files."""
+"""Data ingest: the default job's share of step time waiting for data and its wall time from Parquet
+against in memory, and Ray Data's throughput against a torch DataLoader over the same Parquet files."""
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -13,28 +14,50 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.base import REPO, Benchmark, Figure, Size, register, subprocess_env
+from benchmarks.base import Benchmark, Figure, Size, register, subprocess_env
 
 FEATURES, BATCH = 256, 256
 
 
-def data_wait_default(epochs: int) -> float:
-    """``perf/data_wait_fraction`` of the default job (digits, 2 workers) run by ``rayjobs train``."""
-    with tempfile.TemporaryDirectory(prefix="rj-bench-wait-") as d:
-        summary = Path(d) / "summary.json"
-        sets = [f"run.storage_path={d}", f"training.epochs={epochs}", "tracking.enabled=false"]
-        cmd = [sys.executable, "-m", "rayjobs", "train", "--summary", str(summary)]
-        proc = subprocess.run(
-            cmd + [a for s in sets for a in ("--set", s)],
-            cwd=REPO,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"rayjobs train failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
-        return json.loads(summary.read_text())["metrics"]["perf/data_wait_fraction"]
+def timed_train(storage: Path, epochs: int | None, sets: list[str] = ()) -> tuple[float, dict]:
+    """(wall seconds, summary) of ``rayjobs train`` run in ``storage`` as a user runs it: the default job
+    (2 workers, MLflow in ./results), for ``epochs`` epochs when given."""
+    storage.mkdir(parents=True)
+    summary = storage / "summary.json"
+    sets = [*([f"training.epochs={epochs}"] if epochs else []), *sets]
+    cmd = [sys.executable, "-m", "rayjobs", "train", "--summary", str(summary)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        cmd + [a for s in sets for a in ("--set", s)],
+        cwd=storage,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"rayjobs train failed:\n{(proc.stdout + proc.stderr)[-2000:]}")
+    return wall, json.loads(summary.read_text())
+
+
+def parquet_and_memory(epochs: int | None, rounds: int) -> dict[str, list[float]]:
+    """The default job in memory and on its Parquet form (``rayjobs data prepare digits``), alternated.
+
+    Returns each run's wall seconds per form and the in-memory runs' data-wait fractions.
+    """
+    out: dict[str, list[float]] = {"memory": [], "parquet": [], "wait": []}
+    with tempfile.TemporaryDirectory(prefix="rj-bench-parquet-") as d:
+        shards = Path(d) / "digits"
+        prep = [sys.executable, "-m", "rayjobs", "data", "prepare", "digits", "--out", str(shards)]
+        subprocess.run(prep, cwd=d, env=subprocess_env(), check=True, capture_output=True, timeout=600)
+        for i in range(rounds):
+            wall, summary = timed_train(Path(d) / f"memory-{i}", epochs)
+            out["memory"].append(wall)
+            out["wait"].append(summary["metrics"]["perf/data_wait_fraction"])
+            parquet = ["data.name=parquet", f"data.kwargs.path={shards}"]
+            out["parquet"].append(timed_train(Path(d) / f"parquet-{i}", epochs, parquet)[0])
+    return out
 
 
 def write_parquet(folder: Path, files: int, rows: int) -> list[str]:
@@ -115,8 +138,10 @@ def rows_per_s_ray_data(folder: Path) -> float:
 
 
 def run(size: Size) -> list[Figure]:
-    """The default job's data-wait share; then the same Parquet files through Ray Data and a DataLoader."""
-    wait = data_wait_default(epochs=size.pick(6, 2, 1))
+    """The default job in memory and from Parquet; then the same Parquet files through Ray Data and a DataLoader."""
+    walls = parquet_and_memory(epochs=size.pick(None, None, 1), rounds=size.pick(3, 1, 1))
+    memory, parquet = statistics.median(walls["memory"]), statistics.median(walls["parquet"])
+    wait = statistics.median(walls["wait"])
     files, rows = size.pick((16, 10_000), (4, 5_000), (2, 1_000))
     with tempfile.TemporaryDirectory(prefix="rj-bench-ingest-") as d:
         paths = write_parquet(Path(d), files, rows)
@@ -131,6 +156,13 @@ def run(size: Size) -> list[Figure]:
             note="share of step time waiting for the next batch: the default job (digits, 2 workers, in-memory DataLoader)",
         ),
         Figure(
+            "data.parquet_vs_memory_wall_ratio",
+            parquet / memory,
+            "<= 2",
+            note=f"the default job, `rayjobs train` wall time: Parquet shards {parquet:.1f} s vs in memory {memory:.1f} s"
+            + _spread(walls["parquet"], walls["memory"]),
+        ),
+        Figure(
             "data.ray_data_vs_dataloader_rows_per_s",
             ray_rows / loader,
             ">= 0.5",
@@ -140,11 +172,21 @@ def run(size: Size) -> list[Figure]:
     ]
 
 
+def _spread(parquet: list[float], memory: list[float]) -> str:
+    """ ", medians of N runs (min-max ...)" for more than one run of each, else ", one run each"."""
+    if len(parquet) == 1:
+        return ", one run each"
+    return (
+        f", medians of {len(parquet)} runs ({min(parquet):.1f}-{max(parquet):.1f} s and "
+        f"{min(memory):.1f}-{max(memory):.1f} s)"
+    )
+
+
 register(
     Benchmark(
         name="data",
-        workload="the default job (digits, 2 workers); 4 (quick) or 16 Parquet files of 256 float features",
-        compares="time waiting for data against step time; Ray Data rows/s against a torch DataLoader's",
+        workload="the default job (digits, 2 workers) in memory and as Parquet shards; 4 (quick) or 16 Parquet files of 256 float features",
+        compares="time waiting for data against step time; Parquet wall time against in memory; Ray Data rows/s against a torch DataLoader's",
         run=run,
     )
 )

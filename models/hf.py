@@ -79,6 +79,27 @@ def fit_problems(name: str, overrides: dict[str, Any], info: Any) -> list[str]:
     return found
 
 
+def kwargs_problems(name: str, overrides: dict[str, Any]) -> list[str]:
+    """``model.kwargs`` that are not fields of ``hf:<dir>``'s config, one line each: ``transformers``
+    would drop them without a word. Names in ``config.json`` pass without importing ``transformers``."""
+    import difflib
+    import json
+
+    with open(os.path.join(directory(name), "config.json")) as f:
+        written = json.load(f)
+    unknown = [k for k in overrides if k not in written]
+    if not unknown:
+        return []
+    config = _config(directory(name), {})
+    fields = sorted(k for k in {*config.to_dict(), *getattr(config, "attribute_map", {})} if not k.startswith("_"))
+    found = []
+    for key in (k for k in unknown if not hasattr(config, k)):
+        close = difflib.get_close_matches(key, fields, n=1)
+        hint = f"did you mean model.kwargs.{close[0]}?" if close else f"its fields: {', '.join(fields[:12])}, ..."
+        found.append(f"{name}: {key} is not a field of its {config.model_type} config; {hint}")
+    return found
+
+
 def _config(path: str, overrides: dict[str, Any]) -> Any:
     from transformers import AutoConfig
 

@@ -617,6 +617,8 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
         from models import hf
 
         found = [("model.name", line) for line in hf.problems(m.name)]
+        if not found:
+            found += [("model.kwargs", line) for line in hf.kwargs_problems(m.name, m.kwargs)]
         if m.flavor:
             found.append(("model.flavor", f"flavors apply to registry models only; remove it for {m.name!r}"))
         return found

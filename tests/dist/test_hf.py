@@ -139,6 +139,9 @@ def test_an_hf_model_is_checked_before_ray_and_its_directory_made_absolute(tiny,
           "data.kwargs={kind: tokens, seq_len: 100}"],
          f"model.name: hf:{tiny}: 64 positions, but the data's sequences are 100 long; shorten data.kwargs.seq_len "
          "or raise the model's positions"),
+        (["--set", f"model.name=hf:{tiny}", "--set", "data.name=synthetic", "--set",
+          "data.kwargs={kind: tokens, seq_len: 16}", "--set", "model.kwargs={n_layers: 4}"],
+         f"model.kwargs: hf:{tiny}: n_layers is not a field of its gpt2 config; did you mean model.kwargs.n_layer?"),
     ]:  # fmt: skip
         proc = run_cli("train", *args, cwd=tmp_path)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -150,7 +153,8 @@ def test_rayjobs_train_runs_an_hf_model_in_local_mode(tiny, tmp_path):
         "train", "--set", f"model.name=hf:{tiny}", "--set", "data.name=synthetic", "--set",
         "data.kwargs={kind: tokens, seq_len: 32, vocab_size: 256}", "--set", "scaling.num_workers=0", "--set",
         "training.max_steps=20", "--set", "training.eval_every=10", "--set", "optim.lr=0.003", "--set",
-        "tracking.enabled=false", "--summary", str(tmp_path / "s.json"), cwd=tmp_path, timeout=180,
+        "model.kwargs={layer_norm_epsilon: 1.0e-5, num_hidden_layers: 2}",  # fields not in config.json: fine
+        "--set", "tracking.enabled=false", "--summary", str(tmp_path / "s.json"), cwd=tmp_path, timeout=180,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     history = [

@@ -27,6 +27,7 @@ EXPECTED = {
     "tune.trial_overhead_vs_train_start",
     "parallel.fsdp_state_memory_ratio_gpt_debug",
     "data.wait_fraction_default",
+    "data.parquet_vs_memory_wall_ratio",
     "data.ray_data_vs_dataloader_rows_per_s",
 }
 
