@@ -193,7 +193,9 @@ class TrainingSection(Section):
     eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = at each epoch's end.")
     log_every: int = Field(20, ge=1, description="Print train loss every N optimizer steps.")
     nan_policy: Literal["stop", "skip"] = Field(
-        "stop", description="A NaN/Inf loss on any rank: stop every rank at that step, or skip that step."
+        "stop",
+        description="A NaN/Inf loss on any rank: stop every rank (checked every logged step, before evals and "
+        "saves; nothing after it is saved), or skip that step (checked every step).",
     )
     early_stop: EarlyStopSection = Field(
         default_factory=EarlyStopSection, description="Stop a run whose eval metric stops improving."

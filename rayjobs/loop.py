@@ -35,6 +35,7 @@ from rayjobs.preemption import Preemption
 from rayjobs.resume import resume
 from rayjobs.rundir import RunDir
 from rayjobs.stepping import (
+    LossWindow,
     StepResult,
     build_optimizer,
     build_scheduler,
@@ -44,6 +45,8 @@ from rayjobs.stepping import (
     train_step,
 )
 from rayjobs.storage.bucket import RunStore
+
+LEAN_WINDOW = 100  # the most steps the lean loop runs between checks of its losses
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Run:
     loggers: list[Any] = field(default_factory=list)
     early_stopped: dict[str, float] = field(default_factory=dict)  # early_stop/step and /best once it stopped
     launch_marks: dict[str, float] = field(default_factory=dict)  # rayjobs.timeline: the driver's, then this rank's
+    window: LossWindow | None = None  # the lean loop's unchecked losses (None: every step is checked)
 
 
 def train_fn_per_worker(config: dict[str, Any]) -> dict[str, Any]:
@@ -157,6 +161,8 @@ def setup(plan: LaunchPlan) -> Run:
         saved_at_step=state.step if resumed_from else -1,
         launch_marks={**plan.launch_marks, "data_ready": data_ready, "model_ready": time.time()},
     )  # fmt: skip
+    if lean_loop(cfg, scaler, parallelized.pipeline):
+        run.window = LossWindow()
     if resumed_from is None and plan.init_from:  # a warm start: weights only, at step 0
         warm_start(run)
     run.mlflow = start_metrics_logger(run)
@@ -185,7 +191,7 @@ def train(run: Run) -> dict[str, Any]:
             # 4. One optimizer step over grad_accum micro-batches.
             result = one_step(run, batches)
             if not result.finite and cfg.training.nan_policy == "stop":
-                return stop_on_nan(run, result.bad_ranks)
+                return stop_on_nan(run, result)
             end_of_epoch = state.step_in_epoch == steps_per_epoch
             if end_of_epoch:
                 state.epoch, state.step_in_epoch = state.epoch + 1, 0
@@ -193,8 +199,13 @@ def train(run: Run) -> dict[str, Any]:
             if state.step == run.stop_at:
                 break  # the final eval, checkpoint and report follow the loop
             # 5. Boundaries: eval, checkpoint (also on preemption), report.
-            at_boundaries(run, result, end_of_epoch)
+            result = at_boundaries(run, result, end_of_epoch)
+            if not result.finite and cfg.training.nan_policy == "stop":
+                return stop_on_nan(run, result)
     # 6. Final: test metrics, a checkpoint of the final state (always), one last report.
+    result = settle(run, StepResult(0.0, 0.0))
+    if not result.finite:
+        return stop_on_nan(run, result)
     return finish(run)
 
 
@@ -209,7 +220,9 @@ def one_step(run: Run, batches: Any) -> StepResult:
     try:
         run.faults.oom_now(state.step + 1)
         nan = run.faults.nan_now(state.step + 1)
-        result = train_step(run.model, group, run.optimizer, cfg, ctx, run.scaler, nan, run.pipeline, run.task)
+        result = train_step(
+            run.model, group, run.optimizer, cfg, ctx, run.scaler, nan, run.pipeline, run.task, run.window is not None
+        )
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if not memory.is_oom(exc):
             raise
@@ -219,16 +232,24 @@ def one_step(run: Run, batches: Any) -> StepResult:
     run.scheduler.step()
     state.step, state.step_in_epoch = state.step + 1, state.step_in_epoch + 1
     state.samples += cfg.training.batch_size
-    if result.finite:
+    if result.pending is not None:  # the lean loop: its losses are checked every few steps
+        run.window.add(state.step, result)
+        result = settle(run, result) if check_due(run) else result
+        if not result.finite:
+            return result
+    elif result.finite:
         state.loss_sum, state.loss_count = state.loss_sum + result.loss, state.loss_count + 1
     elif ctx.is_main:
         log(f"step {state.step}: non-finite loss on rank(s) {result.bad_ranks}; step skipped (nan_policy=skip)")
     if ctx.is_main and state.step == meter.first_step:
         run.rundir.record_event("first_step", step=state.step)
         report_launch(run)
+    if result.pending is not None:  # not checked yet: nothing of it to log
+        meter.step_done()
+        return result
     lr = run.scheduler.get_last_lr()[0]
-    step_metrics = meter.step_metrics(state.step, result.loss, lr, result.grad_norm, data_wait)
-    if run.mlflow is not None and step_metrics:
+    step_metrics = meter.step_metrics(state.step, result.loss, lr, result.grad_norm, data_wait) if run.mlflow else {}
+    if step_metrics:
         run.mlflow.log(step_metrics, state.step)
     meter.step_done()
     if ctx.is_main and state.step % cfg.training.log_every == 0:
@@ -252,12 +273,19 @@ def report_launch(run: Run) -> None:
         run.mlflow.log(timeline.as_metrics(marks), run.state.step)
 
 
-def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> None:
-    """Evaluate, checkpoint (also on a preemption notice) and report when due: the same on every rank."""
+def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> StepResult:
+    """Evaluate, checkpoint (also on a preemption notice) and report when due: the same on every rank.
+
+    The lean loop's unchecked losses are checked first: a non-finite one comes back (nothing saved).
+    """
     state, cfg = run.state, run.cfg
     do_eval = (state.step % cfg.training.eval_every == 0) if cfg.training.eval_every else end_of_epoch
     preempted = run.preemption.requested(run.ctx, state.step)  # the process may end right after: save synchronously
     do_save = checkpoint_due(cfg, state.step, state.epoch, end_of_epoch) or preempted
+    if do_eval or do_save:
+        result = settle(run, result)
+        if not result.finite:
+            return result
     path = None
     if do_eval:
         state.metrics = summarize(run, result.grad_norm)
@@ -273,6 +301,43 @@ def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> None:
     if do_eval or do_save:  # a checkpoint-only report carries no stale eval metrics
         report(state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}, path, run)
     run.preemption.exit_if_requested(run.ctx)
+    return result
+
+
+def lean_loop(cfg: RunConfig, scaler: torch.amp.GradScaler, pipeline: parallel.Pipeline | None) -> bool:
+    """Whether losses are checked every few steps instead of every step (``training.nan_policy=stop``).
+
+    ``skip`` must know before each optimizer step; fp16's loss scaler and a pipeline's schedule read
+    their values on the host every step anyway.
+    """
+    return cfg.training.nan_policy == "stop" and not scaler.is_enabled() and pipeline is None
+
+
+def check_due(run: Run) -> bool:
+    """Whether the lean loop checks its losses after this step: a printed or logged step, the last, or a full window."""
+    step, cfg = run.state.step, run.cfg
+    return (
+        step % cfg.training.log_every == 0
+        or (run.mlflow is not None and step % cfg.tracking.log_every == 0)
+        or step >= run.stop_at
+        or len(run.window) >= LEAN_WINDOW
+    )
+
+
+def settle(run: Run, result: StepResult) -> StepResult:
+    """Check the lean loop's unchecked losses (one all-reduce) and count them into the train loss.
+
+    Returns the newest step's result with its loss and gradient norm as numbers, or a non-finite
+    result naming the first step whose loss was not finite. Without unchecked losses: ``result``.
+    """
+    if not run.window:
+        return result
+    count = len(run.window)
+    checked, loss_sum = run.window.check(run.ctx)
+    if checked.finite:
+        run.state.loss_sum += loss_sum
+        run.state.loss_count += count
+    return checked
 
 
 def early_stop_due(run: Run) -> bool:
@@ -400,12 +465,19 @@ def start_metrics_logger(run: Run) -> Any:
     return MetricsLogger(run.cfg, info.run_id, info.run_key, info.spool, attempt=run.rundir.next_attempt())
 
 
-def stop_on_nan(run: Run, bad_ranks: list[int]) -> dict[str, Any]:
-    """Every rank stops at the same step; the driver turns this report into a clear failure."""
-    step = run.state.step + 1
+def stop_on_nan(run: Run, result: StepResult) -> dict[str, Any]:
+    """Every rank stops at the same step; the driver turns this report into a clear failure.
+
+    The step named is the first whose loss was not finite (the lean loop finds it at its next check).
+    """
+    step, bad_ranks = result.at_step or run.state.step + 1, result.bad_ranks
     run.saver.wait()
     if run.ctx.is_main:
-        log(f"step {step}: non-finite loss on rank(s) {bad_ranks}; every rank stops here (training.nan_policy=stop)")
+        found = f" (found at step {run.state.step})" if result.at_step and result.at_step != run.state.step else ""
+        log(
+            f"step {step}: non-finite loss on rank(s) {bad_ranks}{found}; every rank stops without saving it "
+            "(training.nan_policy=stop)"
+        )
     report({"step": step, "nan/stop_step": step}, None, run)
     return {"stopped": "nan", "step": step, "ranks": bad_ranks}
 

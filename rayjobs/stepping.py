@@ -59,6 +59,8 @@ class StepResult:
     grad_norm: float
     finite: bool = True
     bad_ranks: list[int] = field(default_factory=list)
+    at_step: int = 0  # the first step whose loss was not finite, when a LossWindow found it later
+    pending: tuple[Tensor, Tensor] | None = None  # lean: (this rank's loss, the grad norm), still on the device
 
 
 def train_step(
@@ -71,6 +73,7 @@ def train_step(
     inject_nan: bool = False,
     pipeline: pp.Pipeline | None = None,
     task: Task | None = None,
+    lean: bool = False,
 ) -> StepResult:
     """One optimizer step over ``grad_accum`` equal micro-batches, with ``task``'s loss (default: classification).
 
@@ -81,14 +84,19 @@ def train_step(
     rank is agreed on by all ranks (an all-reduce of the flags); the step is then not taken. The
     loss returned is the mean over the data-parallel replicas. With a pipeline, the micro-batches
     form one batch that the schedule splits into ``parallel.microbatches`` itself.
+
+    ``lean`` (no pipeline, no loss scaling): nothing waits for the device. The loss and the gradient
+    norm stay tensors (``StepResult.pending``), clipping is done on the device, and the step is taken
+    even if a loss is not finite: a ``LossWindow`` finds that later, before anything is saved.
     """
     model.train()
     task = task or Classification()
     scaling = scaler is not None and scaler.is_enabled()
+    lean = lean and pipeline is None and not scaling
     if pipeline is not None:
         total = pp.forward_backward(micro_batches, pipeline, ctx)
     else:
-        total = 0.0
+        total = torch.zeros((), dtype=torch.float64, device=ctx.device) if lean else 0.0
         accum = len(micro_batches)
         for i, (x, y) in enumerate(micro_batches):
             x, y = x.to(ctx.device, non_blocking=True), y.to(ctx.device, non_blocking=True)
@@ -97,14 +105,19 @@ def train_step(
                 if inject_nan and i == accum - 1:
                     loss = loss * float("nan")
             (scaler.scale(loss) if scaling else loss).backward()
-            total += loss.item()
+            total += loss.detach() if lean else loss.item()
+    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    if lean:
+        grad_norm = parallel.clip_grad_norm(model, clip, None, lazy=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return StepResult(math.nan, math.nan, pending=(total, grad_norm))
     total, bad_ranks = agree_on_loss(total, ctx)
     if bad_ranks:
         optimizer.zero_grad(set_to_none=True)
         return StepResult(total, float("nan"), finite=False, bad_ranks=bad_ranks)
     if scaling:
         scaler.unscale_(optimizer)
-    clip = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
     grad_norm = parallel.clip_grad_norm(model, clip, pipeline)
     if scaling:
         scaler.step(optimizer)
@@ -135,6 +148,55 @@ def agree_on_loss(local: float, ctx: WorkerContext) -> tuple[float, list[int]]:
     values = buf.tolist()
     bad = [r for r, f in enumerate(values[:-1]) if f > 0]
     return (float("nan") if bad else values[-1] / ctx.data_shard[1]), bad
+
+
+class LossWindow:
+    """The lean loop's losses since its last check, kept on the device: no host sync per step.
+
+    ``check`` agrees across ranks in one all-reduce on the first step whose loss was not finite (and
+    on which ranks), and on the mean over data-parallel replicas of the steps' losses.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.losses: list[Tensor] = []
+        self.grad_norm: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def add(self, step: int, result: StepResult) -> None:
+        """Keep a lean step's pending loss (the gradient norm of the newest step only)."""
+        assert result.pending is not None
+        self.steps.append(step)
+        self.losses.append(result.pending[0])
+        self.grad_norm = result.pending[1]
+
+    def check(self, ctx: WorkerContext) -> tuple[StepResult, float]:
+        """(the newest step's result, the sum of the window's replica-mean losses); the window empties.
+
+        A non-finite loss gives ``finite=False`` with ``at_step`` its first step and ``bad_ranks``
+        the ranks whose loss was not finite at that step.
+        """
+        local = torch.stack(self.losses)
+        bad = (~torch.isfinite(local)).double()
+        first_bad = torch.where(bad.any(), bad.argmax() + 1, 0)  # 1-based index in the window; 0: none
+        buf = torch.zeros(ctx.world_size + 2, dtype=torch.float64, device=local.device)
+        buf[ctx.rank] = first_bad  # each rank writes its own slot: the sum is the table of every rank's
+        if ctx.counts_metrics:
+            buf[-2], buf[-1] = local[-1], local.sum()
+        if ctx.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(buf)
+        values = buf.tolist()
+        grad_norm = float(self.grad_norm) if self.grad_norm is not None else math.nan
+        steps, shards = self.steps, ctx.data_shard[1]
+        self.steps, self.losses, self.grad_norm = [], [], None
+        firsts = [int(v) for v in values[: ctx.world_size]]
+        if any(firsts):
+            first = min(f for f in firsts if f)
+            ranks = [r for r, f in enumerate(firsts) if f == first]
+            return StepResult(math.nan, math.nan, finite=False, bad_ranks=ranks, at_step=steps[first - 1]), 0.0
+        return StepResult(values[-2] / shards, grad_norm), values[-1] / shards
 
 
 @torch.no_grad()

@@ -217,7 +217,7 @@ def nan_failure(prep: Prepared, ended: dict[str, Any]) -> str:
     ranks = ", ".join(map(str, ended["ranks"]))
     return (
         f"non-finite loss at step {ended['step']} on rank(s) {ranks}; every rank "
-        f"stopped at that step; last good checkpoint: {good_path or 'none'}. Try a lower optim.lr, "
+        f"stopped without saving it; last good checkpoint: {good_path or 'none'}. Try a lower optim.lr, "
         f"optim.grad_clip, or training.nan_policy=skip"
     )
 

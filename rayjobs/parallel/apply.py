@@ -8,6 +8,7 @@ stage, tensor parallelism from the model's ``ParallelPlan``, activation checkpoi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -191,8 +192,14 @@ def apply_data_parallel(
     return ddp.wrap_ddp(model, ctx, process_group=mesh["dp_replicate"].get_group())
 
 
-def clip_grad_norm(model: nn.Module, max_norm: float, pipeline: pp.Pipeline | None) -> float:
-    """The global gradient norm (DTensor shards and pipeline stages included), clipped to ``max_norm``."""
+def clip_grad_norm(
+    model: nn.Module, max_norm: float, pipeline: pp.Pipeline | None, lazy: bool = False
+) -> float | torch.Tensor:
+    """The global gradient norm (DTensor shards and pipeline stages included), clipped to ``max_norm``.
+
+    ``lazy``: the norm stays a tensor and the clip is applied on the device (no host sync), the
+    way ``torch.nn.utils.clip_grad_norm_`` does it.
+    """
     from torch.distributed.tensor import DTensor
 
     params = [p for p in model.parameters() if p.grad is not None]
@@ -209,12 +216,29 @@ def clip_grad_norm(model: nn.Module, max_norm: float, pipeline: pp.Pipeline | No
         squares += (total.full_tensor() if isinstance(total, DTensor) else total).double() ** 2
     if pipeline is not None:
         dist.all_reduce(squares, group=pipeline.group)
+    if lazy:
+        norm_t = squares.sqrt()
+        if math.isfinite(max_norm):
+            _scale_on_device([p.grad for p in params], torch.clamp(max_norm / (norm_t + 1e-6), max=1.0))
+        return norm_t
     norm = float(squares.sqrt())
     coef = max_norm / (norm + 1e-6)  # as torch.nn.utils.clip_grad_norm_ does
     if coef < 1.0:
         for p in params:
             p.grad.detach().mul_(coef)
     return norm
+
+
+def _scale_on_device(grads: list[torch.Tensor], coef: torch.Tensor) -> None:
+    """Multiply every gradient (a DTensor's local shard) by the 0-dim ``coef``, grouped by dtype and device."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for g in grads:
+        local = g.detach().to_local() if isinstance(g, DTensor) else g.detach()
+        groups.setdefault((local.dtype, local.device), []).append(local)
+    for (dtype, device), tensors in groups.items():
+        torch._foreach_mul_(tensors, coef.to(dtype=dtype, device=device))
 
 
 def _device_of(params: list[torch.Tensor]) -> torch.device:

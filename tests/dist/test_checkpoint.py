@@ -174,7 +174,7 @@ def test_nan_skip_policy_skips_the_step_and_finishes(tmp_path, capfd):
 
 
 def test_nan_stop_policy_fails_naming_the_step(tmp_path):
-    with pytest.raises(TrainingFailed, match=r"non-finite loss at step 12 on rank\(s\) 0; every rank stopped"):
+    with pytest.raises(TrainingFailed, match=r"non-finite loss at step 12 on rank\(s\) 0; every rank stopped without saving it"):
         train.run(cfg_for(tmp_path, "nanstop", "faults.nan_at_step=12"))
     assert ckpt.latest_complete(tmp_path / "nanstop").step == 10  # the NaN state was never saved
 

@@ -60,6 +60,88 @@ def test_grad_clip_bounds_the_update():
     assert (after - before).norm().item() == pytest.approx(0.01, rel=1e-4)
 
 
+@pytest.mark.parametrize("clip", [0.01, 0.0])
+def test_a_lean_step_updates_the_weights_exactly_as_a_checked_one(clip: float):
+    """The lean step (no host sync) and the checked step give the same weights, loss and gradient norm,
+    with a clip that binds (applied on the device) and with none."""
+    cfg = from_dict({"model": {"name": "mlp"}, "optim": {"name": "adamw", "lr": 0.01, "grad_clip": clip}})
+    torch.manual_seed(0)
+    checked = build_model("mlp", "debug", {}, INFO)
+    lean = copy.deepcopy(checked)
+    opts = [stepping.build_optimizer(m, cfg) for m in (checked, lean)]
+    window = stepping.LossWindow()
+    for step in range(1, 4):
+        batch = [_batch(16, seed=step)]
+        a = stepping.train_step(checked, batch, opts[0], cfg, CPU)
+        b = stepping.train_step(lean, batch, opts[1], cfg, CPU, lean=True)
+        assert b.pending is not None and isinstance(b.pending[0], torch.Tensor)
+        window.add(step, b)
+    settled, loss_sum = window.check(CPU)
+    assert settled.finite and settled.loss == a.loss and settled.grad_norm == pytest.approx(a.grad_norm, rel=1e-12)
+    assert len(window) == 0 and loss_sum > 0
+    for x, y in zip(checked.parameters(), lean.parameters()):
+        assert torch.equal(x, y)
+
+
+def _lean_worker(rank: int, world: int, port: int, out: str) -> None:
+    """Lean steps on 2 DDP ranks, counting host syncs and Python collectives; rank 1's loss is NaN at step 3."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    ctx = WorkerContext.from_process_group()
+    cfg = from_dict({"model": {"name": "mlp"}, "optim": {"name": "sgd", "lr": 0.1, "grad_clip": 1.0}})
+    torch.manual_seed(0)
+    model = DistributedDataParallel(build_model("mlp", "debug", {}, INFO))
+    opt = stepping.build_optimizer(model, cfg)
+    counts = {"sync": 0, "collective": 0}
+
+    def counting(fn, key):
+        def wrapped(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    torch.Tensor.item = counting(torch.Tensor.item, "sync")
+    torch.Tensor.tolist = counting(torch.Tensor.tolist, "sync")
+    torch.Tensor.__float__ = counting(torch.Tensor.__float__, "sync")
+    dist.all_reduce = counting(dist.all_reduce, "collective")
+    window, seen = stepping.LossWindow(), {}
+    for step in range(1, 5):
+        nan = rank == 1 and step == 3  # rank 1's loss is NaN at step 3; DDP spreads it to rank 0 at step 4
+        batch = [_batch(8, seed=10 * step + rank)]
+        window.add(step, stepping.train_step(model, batch, opt, cfg, ctx, inject_nan=nan, lean=True))
+        if step == 2:
+            seen["after_2_steps"] = dict(counts)
+            result, loss_sum = window.check(ctx)
+            seen["first"] = {"finite": result.finite, "loss": result.loss, "loss_sum": loss_sum}
+    result, _ = window.check(ctx)
+    seen["second"] = {"finite": result.finite, "at_step": result.at_step, "ranks": result.bad_ranks}
+    seen["after_checks"] = dict(counts)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(seen, f)
+
+
+def test_lean_steps_wait_for_nothing_and_a_check_finds_the_first_non_finite_step_and_rank(tmp_path):
+    """Lean steps on 2 DDP ranks make no host sync and no collective of the loop's own (DDP's gradient
+    all-reduce is its own, in C++); each check is one all-reduce that names the first bad step and rank."""
+    from conftest import spawn_ranks
+
+    spawn_ranks(_lean_worker, 2, (str(tmp_path / "lean.json"),))
+    seen = json.loads((tmp_path / "lean.json").read_text())
+    assert seen["after_2_steps"] == {"sync": 0, "collective": 0}
+    assert seen["first"]["finite"] and seen["first"]["loss"] > 0
+    assert seen["first"]["loss_sum"] > seen["first"]["loss"]  # two steps' replica means
+    assert seen["second"] == {"finite": False, "at_step": 3, "ranks": [1]}
+    assert seen["after_checks"]["collective"] == 2
+
+
 @pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
 def test_lr_schedules_warm_up_then_follow_their_shape(schedule: str):
     cfg = from_dict({"optim": {"schedule": schedule, "warmup_steps": 10}})

@@ -90,7 +90,7 @@ def test_nan_on_one_rank_stops_every_rank_at_that_step(ray_cluster, tmp_path):
         train.run(cfg_for(tmp_path, "nan", "faults.nan_rank=1", "faults.nan_at_step=7"))
     assert time.monotonic() - started < 120
     message = str(info.value)
-    assert "non-finite loss at step 7 on rank(s) 1; every rank stopped at that step" in message
+    assert "non-finite loss at step 7 on rank(s) 1; every rank stopped without saving it" in message
     assert ckpt.latest_complete(tmp_path / "nan") is None  # nothing after the NaN was saved
 
 
