@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from rayjobs.errors import ConfigError
 
+HF_PREFIX = "hf:"  # model.name: hf:<dir>, a Hugging Face model directory (models.hf)
+
 CONFIG_DIR = Path(__file__).parent / "configs"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = CONFIG_DIR / "digits.yaml"
@@ -464,12 +466,12 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _model_fits_data(self) -> RunConfig:
-        if self.model.name.startswith("hf:") and self.data.kind != "tokens":
+        if self.model.name.startswith(HF_PREFIX) and self.data.kind != "tokens":
             raise _MultiError(
                 [("model.name", f"{self.model.name} is a causal LM: it needs tokens data, but data.name="
                   f"{self.data.name} gives {self.data.kind}")]
             )  # fmt: skip
-        if self.model.name.startswith("hf:"):
+        if self.model.name.startswith(HF_PREFIX):
             from models import hf
             from rayjobs.data import data_info
 
@@ -493,7 +495,9 @@ class RunConfig(Section):
         self._task_fits()
         if not self.run.name:
             base = self.model.name.rsplit(":", 1)[-1]
-            base = os.path.basename(base.rstrip("/")) if self.model.name.startswith("hf:") else base.rsplit(".", 1)[-1]
+            base = (
+                os.path.basename(base.rstrip("/")) if self.model.name.startswith(HF_PREFIX) else base.rsplit(".", 1)[-1]
+            )
             self.run.name = f"{base}-{self.data.name.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
         return self
 
@@ -574,7 +578,7 @@ class _MultiError(ValueError):
 
 
 def _is_import_path(name: str) -> bool:
-    return ":" in name and not name.startswith("hf:")
+    return ":" in name and not name.startswith(HF_PREFIX)
 
 
 def _data_problems(d: DataSection) -> list[tuple[str, str]]:
@@ -615,7 +619,7 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
     from models import get_spec, model_names
     from models.registry import resolve_callable
 
-    if m.name.startswith("hf:"):
+    if m.name.startswith(HF_PREFIX):
         from models import hf
 
         found = [("model.name", line) for line in hf.problems(m.name)]

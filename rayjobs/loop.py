@@ -314,11 +314,15 @@ def lean_loop(cfg: RunConfig, scaler: torch.amp.GradScaler, pipeline: parallel.P
 
 
 def check_due(run: Run) -> bool:
-    """Whether the lean loop checks its losses after this step: a printed or logged step, the last, or a full window."""
+    """Whether the lean loop checks its losses after this step: a printed or logged step, the last, or a full window.
+
+    The check is a collective: the answer depends on nothing that differs between ranks (only rank 0
+    logs to MLflow, so ``tracking.enabled`` decides, not ``run.mlflow``).
+    """
     step, cfg = run.state.step, run.cfg
     return (
         step % cfg.training.log_every == 0
-        or (run.mlflow is not None and step % cfg.tracking.log_every == 0)
+        or (cfg.tracking.enabled and step % cfg.tracking.log_every == 0)
         or step >= run.stop_at
         or len(run.window) >= LEAN_WINDOW
     )

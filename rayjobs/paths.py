@@ -16,12 +16,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from rayjobs.config import HF_PREFIX
 from rayjobs.errors import ExplainedFailure
 
 RAY_RESULTS = "~/ray_results"
 DATA_PATH_KEYS = ("path", "val_path", "test_path")
 FILE_URI_PREFIXES = ("sqlite:///", "file://")
-HF_PREFIX = "hf:"  # model.name: hf:<dir> (models.hf)
 
 
 class RelativePath(ExplainedFailure):

@@ -4,7 +4,7 @@ The rows are read by Ray Data and handed to ``map_batches`` over a pool of actor
 there are GPUs, else one per two CPUs); each actor rebuilds the model once with
 ``checkpoint.load_for_inference`` and adds the prediction to every row it is given. The output is
 Parquet: the input's columns and ``prediction`` (the class for a classifier, the value for a
-regression), one row per input row.
+regression, the most likely next token for a language model), one row per input row.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ class Predictor:
         self.model.to(self.device)
         info = data_lib.data_info(cfg.data.name, cfg.data.kwargs)
         self.shape, self.features, self.targets = tuple(info.input_shape), features, info.targets
+        self.tokens = info.kind == "tokens"
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
 
+        if self.tokens:
+            return {**batch, "prediction": self.next_tokens(list(batch[self.features[0]]))}
         cols = [np.stack(list(batch[c])) if batch[c].dtype == object else batch[c] for c in self.features]
         x = cols[0] if len(cols) == 1 else np.stack(cols, axis=1)
         x = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32).reshape(len(x), *self.shape))
@@ -48,6 +51,22 @@ class Predictor:
         else:
             prediction = out.argmax(-1).numpy()
         return {**batch, "prediction": prediction}
+
+    def next_tokens(self, rows: list[Any]) -> np.ndarray:
+        """The most likely token after each row of token ids, from its last ``seq_len`` tokens (rows of
+        one length go through the model together)."""
+        import torch
+
+        context = self.shape[0]
+        out = np.zeros(len(rows), dtype=np.int64)
+        by_length: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_length.setdefault(min(len(row), context), []).append(i)
+        for length, index in by_length.items():
+            x = torch.from_numpy(np.stack([np.asarray(rows[i][-length:], dtype=np.int64) for i in index]))
+            with torch.no_grad():
+                out[index] = self.model(x.to(self.device))[:, -1].argmax(-1).cpu().numpy()
+        return out
 
 
 def predict(
@@ -68,8 +87,6 @@ def predict(
     except CheckpointError as exc:
         raise ConfigError(f"predict: {exc}") from None
     info = data_lib.data_info(cfg.data.name, cfg.data.kwargs)
-    if info.kind == "tokens":
-        raise ConfigError("predict: the checkpoint is a language model; predict reads tables of features")
     files, fmt = _input_files(data)
     columns = _columns(files[0], fmt)
     features = features or _default_features(cfg, columns)
@@ -78,7 +95,7 @@ def predict(
         raise ConfigError(f"predict: {files[0]} has no column(s) {', '.join(missing)}; it has {', '.join(columns)}")
     if Path(out).exists() and any(Path(out).iterdir()):
         raise ConfigError(f"predict: --out {out} is not empty; give a new directory")
-    _check_width(files[0], fmt, features, info)
+    (_check_tokens if info.kind == "tokens" else _check_width)(files[0], fmt, features, info)
     import ray
 
     if not ray.is_initialized():
@@ -134,6 +151,23 @@ def _default_features(cfg: Any, columns: list[str]) -> list[str]:
         return ["x"]
     label = cfg.data.kwargs.get("label") or "label"
     return [c for c in columns if c not in (label, "y")]
+
+
+def _check_tokens(first: str, fmt: str, features: list[str], info: Any) -> None:
+    """A language model reads one column of token ids per row, each below its vocabulary size."""
+    import pyarrow.parquet as pq
+
+    if len(features) != 1 or fmt != "parquet":
+        raise ConfigError(
+            "predict: a language model reads one Parquet column of token ids per row (like `rayjobs data prepare "
+            f"text`'s tokens); got {', '.join(features)} of {first}; name it with --features"
+        )
+    row = pq.read_table(first, columns=features).slice(0, 1).to_pylist()[0][features[0]]
+    if not isinstance(row, list) or not row or not all(isinstance(t, int) and 0 <= t < info.num_classes for t in row):
+        raise ConfigError(
+            f"predict: {features[0]} of {first} must hold lists of token ids in [0, {info.num_classes}) for this "
+            "language model; name the right column with --features"
+        )
 
 
 def _check_width(first: str, fmt: str, features: list[str], info: Any) -> None:

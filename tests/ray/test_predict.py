@@ -48,3 +48,36 @@ def test_predict_writes_one_prediction_per_row_equal_to_the_models(tmp_path):
     )
     assert wrong.returncode == 2 and "the model takes 64 values per row (input (1, 8, 8)), but label of" in wrong.stderr
     assert "RAY_IMPORTED=False" in wrong.stdout  # refused before Ray starts
+
+
+def test_predict_gives_a_language_models_next_token_for_each_row(tmp_path):
+    """A gpt trained on prepared text: each row's prediction is the model's most likely next token
+    after the row's last seq_len tokens (rows of 33 tokens, a model of 32 positions)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "doc.txt").write_text("the quick fox jumps over the lazy dog.\n" * 200)
+    prepared = tmp_path / "tokens"
+    done = run_cli("data", "prepare", "text", str(corpus), "--out", str(prepared), "--seq-len", "32", timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = train.run(
+        load_config(
+            None,
+            [f"run.storage_path={tmp_path}", "scaling.num_workers=0", "model.name=gpt", "model.flavor=debug",
+             "data.name=parquet", f"data.kwargs.path={prepared}", "training.max_steps=30", "optim.lr=0.01",
+             "training.batch_size=16", "tracking.enabled=false"],
+        )
+    )  # fmt: skip
+    rows = prepared / "val"
+    proc = run_cli("predict", summary["checkpoint"], "--data", str(rows), "--out", str(tmp_path / "p"), timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    got = pq.read_table(tmp_path / "p").to_pandas()
+    source = pq.read_table(rows).to_pandas()
+    assert len(got) == len(source) > 0 and list(got.columns) == ["tokens", "prediction"]
+    model, _ = load_for_inference(summary["checkpoint"])
+    x = torch.tensor(np.stack(got["tokens"].to_list())[:, -32:], dtype=torch.long)
+    assert (model(x)[:, -1].argmax(-1).numpy() == got["prediction"].to_numpy()).all()
+    assert got["prediction"].between(0, 255).all() and got["prediction"].nunique() > 1
+
+    wrong = run_cli("predict", summary["checkpoint"], "--data", str(rows), "--out", str(tmp_path / "q"),
+                    "--features", "tokens,tokens")  # fmt: skip
+    assert wrong.returncode == 2 and "a language model reads one Parquet column of token ids" in wrong.stderr

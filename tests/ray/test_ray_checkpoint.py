@@ -123,3 +123,22 @@ def test_a_users_task_and_data_resume_bit_identical_after_a_worker_kill(ray_clus
         assert new[step]["val/within_half"] == ref[step]["val/within_half"], (new[step], ref[step])
         assert new[step]["train/loss"] == ref[step]["train/loss"]
     assert killed["metrics"]["test/within_half"] == reference["metrics"]["test/within_half"]
+
+
+def test_a_two_worker_checkpoint_warm_starts_one_worker_at_its_accuracy(runs, tmp_path, capfd):
+    """model.init_from across world sizes: the 2-worker run's weights (DCP reshards them) start a
+    1-worker run at step 0 with a fresh optimizer, at the accuracy they had."""
+    _, reference, _ = runs
+    summary = train.run(
+        load_config(
+            None,
+            ["scaling.num_workers=0", f"run.storage_path={tmp_path}", "run.name=warm", "training.max_steps=1",
+             f"model.init_from={reference['checkpoint']}", "tracking.enabled=false"],
+        )
+    )  # fmt: skip
+    out = capfd.readouterr().out
+    line = next(s for s in out.splitlines() if "warm start from" in s)
+    assert f"(step {STEPS} of its run)" in line, line
+    accuracy = float(line.split("val/accuracy ")[1].split()[0])
+    assert accuracy == pytest.approx(reference["metrics"]["val/accuracy"], abs=1e-9) and accuracy >= 0.95, line
+    assert summary["metrics"]["step"] == 1
