@@ -19,7 +19,7 @@ from benchmarks.base import Benchmark, Figure, Size, register, subprocess_env
 FEATURES, BATCH = 256, 256
 
 
-def timed_train(storage: Path, epochs: int | None, sets: list[str] = ()) -> tuple[float, dict]:
+def timed_train(storage: Path, epochs: int | None, sets: tuple[str, ...] | list[str] = ()) -> tuple[float, dict]:
     """(wall seconds, summary) of ``rayjobs train`` run in ``storage`` as a user runs it: the default job
     (2 workers, MLflow in ./results), for ``epochs`` epochs when given."""
     storage.mkdir(parents=True)

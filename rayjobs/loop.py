@@ -161,8 +161,8 @@ def setup(plan: LaunchPlan) -> Run:
         saved_at_step=state.step if resumed_from else -1,
         launch_marks={**plan.launch_marks, "data_ready": data_ready, "model_ready": time.time()},
     )  # fmt: skip
-    if lean_loop(cfg, scaler, parallelized.pipeline):
-        run.window = LossWindow()
+    if cfg.training.nan_policy == "stop":  # skip must know before each optimizer step: no window then
+        run.window = LossWindow()  # train_step still checks every step under fp16 scaling or a pipeline
     if resumed_from is None and plan.init_from:  # a warm start: weights only, at step 0
         warm_start(run)
     run.mlflow = start_metrics_logger(run)
@@ -302,15 +302,6 @@ def at_boundaries(run: Run, result: StepResult, end_of_epoch: bool) -> StepResul
         report(state.metrics if do_eval else {"step": state.step, "epoch": state.epoch}, path, run)
     run.preemption.exit_if_requested(run.ctx)
     return result
-
-
-def lean_loop(cfg: RunConfig, scaler: torch.amp.GradScaler, pipeline: parallel.Pipeline | None) -> bool:
-    """Whether losses are checked every few steps instead of every step (``training.nan_policy=stop``).
-
-    ``skip`` must know before each optimizer step; fp16's loss scaler and a pipeline's schedule read
-    their values on the host every step anyway.
-    """
-    return cfg.training.nan_policy == "stop" and not scaler.is_enabled() and pipeline is None
 
 
 def check_due(run: Run) -> bool:
