@@ -29,53 +29,60 @@ def _setup(flavor: str):
     return model, opt, build_scheduler(opt, cfg, 100), ctx
 
 
-def _save(flavor: str, async_save: bool, rounds: int) -> tuple[float, float, float]:
-    """(blocked seconds, total seconds until committed, checkpoint MB), best of ``rounds``."""
-    from rayjobs.checkpoint import Saver, TrainState
+def _save(flavor: str, async_save: bool, saves: int) -> tuple[list[float], float, float]:
+    """Blocked seconds of each of ``saves`` saves by one Saver (as a run saves), the best total
+    seconds until a save was committed, and the checkpoint's MB."""
+    from rayjobs.checkpoint import Saver, TrainState, name_for
 
     model, opt, sched, ctx = _setup(flavor)
-    best_blocked, best_total, size = float("inf"), float("inf"), 0.0
-    for r in range(rounds):
-        root = Path(tempfile.mkdtemp(prefix="rj-ckpt-bench-"))
-        try:
-            saver = Saver(str(root), ctx, {}, keep_last=1, async_save=async_save)
+    root = Path(tempfile.mkdtemp(prefix="rj-ckpt-bench-"))
+    blocked, best_total, size = [], float("inf"), 0.0
+    try:
+        saver = Saver(str(root), ctx, {}, keep_last=1, async_save=async_save)
+        for step in range(1, saves + 1):
             t0 = time.perf_counter()
-            saver.save(r + 1, model, opt, sched, None, TrainState())
-            blocked = time.perf_counter() - t0
+            saver.save(step, model, opt, sched, None, TrainState())
+            blocked.append(time.perf_counter() - t0)
             saver.wait()
-            while not any(root.glob("checkpoint_*/manifest.json")):  # the async commit runs in a callback
+            while not (root / name_for(step) / "manifest.json").exists():  # the async commit runs in a callback
                 time.sleep(0.001)
-            total = time.perf_counter() - t0
-            size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / 1e6
-            best_blocked, best_total = min(best_blocked, blocked), min(best_total, total)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-    return best_blocked, best_total, size
+            best_total = min(best_total, time.perf_counter() - t0)
+            size = sum(f.stat().st_size for f in (root / name_for(step)).rglob("*") if f.is_file()) / 1e6
+        saver.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return blocked, best_total, size
 
 
 def run(size: Size) -> list[Figure]:
-    """For each size: sync save time and MB/s; async blocked time as a fraction of the sync save."""
+    """For each size: sync save time and MB/s; async blocked time as a fraction of the sync save.
+
+    A run saves many times with one Saver, so the async figure is the best of the saves after the
+    first (the first also allocates the staging copy; its time is in the note).
+    """
     flavors = size.pick(["debug", "small", "medium"], ["debug", "small"], ["small"])
-    rounds = size.pick(3, 2, 1)
+    saves = size.pick(4, 3, 2)
     figures = []
     for flavor in flavors:
-        _, sync_total, size = _save(flavor, async_save=False, rounds=rounds)
-        blocked, _, _ = _save(flavor, async_save=True, rounds=rounds)
+        _, sync_total, mb = _save(flavor, async_save=False, saves=saves)
+        blocked, _, _ = _save(flavor, async_save=True, saves=saves)
+        steady = min(blocked[1:])
         figures.append(
             Figure(
                 f"checkpoint.async_blocked_fraction_gpt_{flavor}",
-                blocked / sync_total,
-                "<= 0.5",
-                note=f"{blocked * 1e3:.0f} ms blocked (async) vs {sync_total * 1e3:.0f} ms (sync), {size:.1f} MB",
+                steady / sync_total,
+                "" if flavor == "debug" else "<= 0.10",  # 1 MB: fixed costs (state dict, RNG file) dominate
+                note=f"{steady * 1e3:.0f} ms blocked (async, best of saves 2-{saves}; the first: "
+                f"{blocked[0] * 1e3:.0f} ms) vs {sync_total * 1e3:.0f} ms (sync), {mb:.1f} MB",
             )
         )
         figures.append(
             Figure(
                 f"checkpoint.sync_save_mb_per_s_gpt_{flavor}",
-                size / sync_total,
+                mb / sync_total,
                 unit="MB/s",
                 ratio=False,
-                note=f"{size:.1f} MB (model + AdamW state) in {sync_total:.2f} s, manifest included",
+                note=f"{mb:.1f} MB (model + AdamW state) in {sync_total:.2f} s, manifest included",
             )
         )
     return figures

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from rayjobs.context import WorkerContext
@@ -400,6 +401,11 @@ class Saver:
         # An async save runs collectives from a background thread: give it its own process group so
         # they never interleave with the training loop's (DDP) collectives on the default group.
         self._async_group = dist.new_group(backend="gloo") if async_save and _distributed(ctx) else None
+        # The copy an async save writes from, kept between saves: DCP's default stager allocates a new
+        # one per save, and touching fresh memory costs ~3.5x copying into memory already touched
+        # (gpt medium on CPU: 0.34 s against 0.09 s). Staging stays synchronous: the next step may
+        # change the weights, and a copy made while it runs would mix two steps.
+        self._stager = DefaultStager(StagingOptions(False, False, False, False)) if async_save else None
         self._pending: Future | None = None
         self._committed = threading.Event()
         self._pending_error: BaseException | None = None
@@ -443,6 +449,7 @@ class Saver:
                     checkpoint_id=str(path),
                     no_dist=no_dist,
                     process_group=self._async_group,
+                    async_stager=self._stager,
                 )
             else:
                 dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path), no_dist=no_dist)
@@ -482,6 +489,14 @@ class Saver:
             if self._to_publish is not None:
                 (path, step), self._to_publish = self._to_publish, None
                 self._publish(path, step)
+
+    def close(self) -> None:
+        """Wait for a save in flight, then free the staging copy that async saves reuse (a later
+        async save then stages into new memory, as DCP does by default)."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _state_json(self, step: int, scheduler: Any, scaler: Any, state: TrainState) -> dict[str, Any]:
         sched = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}

@@ -371,6 +371,7 @@ def finish(run: Run) -> dict[str, Any]:
         final = run.resumed_from[0]  # nothing trained since: that checkpoint is the final state
     else:
         final = run.saver.save(state.step, run.model, run.optimizer, run.scheduler, run.scaler, state, force_sync=True)
+    run.saver.close()
     state.metrics["checkpoint/blocked_s"] = sum(run.saver.blocked_s) / max(1, len(run.saver.blocked_s))
     state.metrics.update(run.early_stopped)
     if run.mlflow is not None:

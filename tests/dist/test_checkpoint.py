@@ -79,6 +79,40 @@ def test_rerun_after_a_crash_resumes_bit_identical(tmp_path, uninterrupted):
     assert summary["metrics"]["test/accuracy"] == uninterrupted["metrics"]["test/accuracy"]
 
 
+def test_each_async_save_holds_its_own_steps_weights_though_the_staging_copy_is_reused(tmp_path):
+    """One Saver stages every async save into the same memory; a save must still hold the weights of
+    its step even when the next step changes them in place while it is being written."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from models import DataInfo, build_model
+    from rayjobs.context import WorkerContext
+    from rayjobs.stepping import build_optimizer, build_scheduler
+
+    ctx = WorkerContext(0, 1, 0, torch.device("cpu"))
+    model = build_model("gpt", "debug", {}, DataInfo("tokens", (16,), 64))
+    cfg = load_config(None, ["optim.name=adamw"])
+    opt = build_optimizer(model, cfg)
+    saver = ckpt.Saver(str(tmp_path), ctx, {}, keep_last=3, async_save=True)
+    expected = {}
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        expected[step] = {k: v.clone() for k, v in get_model_state_dict(model).items()}
+        assert saver.save(step, model, opt, build_scheduler(opt, cfg, 10), None, ckpt.TrainState(step=step)) is None
+        with torch.no_grad():  # the next step, while the save is still being written
+            for p in model.parameters():
+                p.fill_(-1.0)
+    saver.close()
+    staged = [c.path for c in ckpt.list_checkpoints(tmp_path)]
+    assert len(staged) == 3
+    for step, path in zip((1, 2, 3), staged):
+        ckpt.load_weights(path, model, ctx)
+        got = get_model_state_dict(model)
+        assert set(got) == set(expected[step])
+        assert all(torch.equal(got[k], expected[step][k]) for k in got), f"step {step}'s checkpoint is not its own"
+
+
 def test_async_checkpoints_resume_bit_identical_too(tmp_path, uninterrupted):
     with pytest.raises(TrainingFailed):
         train.run(cfg_for(tmp_path, "async", "checkpoint.async=true", "faults.raise_at_step=53"))
