@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+GPU_REHEARSAL_ENV = "RAYJOBS_GPU_CHECK"  # "cpu": run the GPU benchmark on the CPU (benchmarks/gpu_check.sh --cpu)
+
+
+def rehearsing_gpu_on_cpu() -> bool:
+    """Whether the GPU checks run as their CPU rehearsal (``RAYJOBS_GPU_CHECK=cpu``)."""
+    return os.environ.get(GPU_REHEARSAL_ENV, "") == "cpu"
 
 
 @dataclass

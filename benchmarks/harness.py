@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from benchmarks.base import BENCHMARKS, Benchmark, Size
+from benchmarks.base import BENCHMARKS, Benchmark, Size, rehearsing_gpu_on_cpu
 
 
 def load_all() -> dict[str, Benchmark]:
@@ -75,7 +75,7 @@ def run(names: list[str], size: Size, log: Callable[[str], None] = print) -> dic
         "benchmarks": {},
     }
     for bench in selected:
-        if bench.needs == "cuda" and not torch.cuda.is_available():
+        if bench.needs == "cuda" and not torch.cuda.is_available() and not rehearsing_gpu_on_cpu():
             log(f"bench: {bench.name}: skipped (needs CUDA)")
             results["benchmarks"][bench.name] = {"skipped": "needs CUDA"}
             continue

@@ -73,3 +73,32 @@ def test_unknown_benchmark_is_a_one_line_error():
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("rayjobs: error: bench: unknown benchmark(s) nosuch; known: ")
+
+
+def test_the_gpu_check_script_rehearses_every_step_on_the_cpu(tmp_path):
+    """benchmarks/gpu_check.sh --cpu: the GPU script's train and `bench gpu` steps, on gloo and fp32."""
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--cpu"],
+        cwd=REPO,
+        env=subprocess_env(OUT=str(tmp_path / "gpu")),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    out = tmp_path / "gpu"
+    assert "CPU rehearsal" in (out / "gpu.log").read_text()
+    summary = json.loads((out / "train-summary.json").read_text())
+    assert summary["checkpoint"].endswith("checkpoint_00000010") and math.isfinite(summary["metrics"]["test/accuracy"])
+    figures = json.loads((out / "gpu-smoke.json").read_text())["figures"]
+    for key in ("gpu.mfu_fp32_gpt_debug", "gpu.tokens_per_s_gpt_debug", "gpu.dataparallel_vs_ddp_step_ratio_gpt_debug"):
+        assert math.isfinite(figures[key]["value"]) and figures[key]["value"] > 0, (key, figures)
+    assert (out / "gpu-smoke.png").stat().st_size > 5000
+
+
+def test_the_gpu_check_script_names_a_wrong_argument_in_one_line():
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--gpu"], cwd=REPO, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "gpu_check.sh: unknown argument --gpu; use --cpu or nothing"
