@@ -72,6 +72,21 @@ def check_resume_from(cfg: Any) -> None:
     cfg.checkpoint.resume_from = path
 
 
+def check_own_checkpoints(cfg: Any, store: Any) -> None:
+    """The same command again resumes from the run directory's newest checkpoint: one of another
+    model or dataset is refused here, in one line, instead of in every worker after Ray started."""
+    if cfg.checkpoint.resume_from or store is not None:  # a resume source, or the bucket's newest (checked by rank 0)
+        return
+    from rayjobs.checkpoint import latest_complete
+    from rayjobs.errors import ConfigError
+    from rayjobs.resume import other_model
+
+    info = latest_complete(cfg.run_dir, warn=False)
+    problem = other_model(info.path, cfg) if info is not None else ""
+    if problem:
+        raise ConfigError(problem.removeprefix("error: "))
+
+
 def check_init_from(cfg: Any) -> str:
     """``model.init_from`` as a local checkpoint directory of the same model (checked before Ray starts):
     a path, ``runs:/RUN_ID`` (the checkpoint its model was logged from) or ``models:/NAME/VERSION|@ALIAS``."""

@@ -83,6 +83,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     local_mode = cfg.scaling.num_workers == 0
     scaling = launch.plan_scaling(cfg, launch.local_gpu_count() if local_mode else launch.cluster_gpu_count())
     store = open_store(cfg)
+    preflight.check_own_checkpoints(cfg, store)
     estimate = preflight.memory_estimate(cfg, scaling.world_size, scaling.use_gpu)
     return Prepared(cfg, scaling, local_mode, source, store, estimate, init_from)
 

@@ -113,6 +113,23 @@ def test_each_async_save_holds_its_own_steps_weights_though_the_staging_copy_is_
         assert all(torch.equal(got[k], expected[step][k]) for k in got), f"step {step}'s checkpoint is not its own"
 
 
+def test_a_run_directory_holding_another_models_checkpoint_is_refused_before_ray_starts(uninterrupted, tmp_path):
+    """The same run.name with another model: one line, before Ray (or any training) starts."""
+    import shutil
+
+    theirs = Path(uninterrupted["checkpoint"])
+    run_dir = tmp_path / "results" / "mine"
+    shutil.copytree(theirs, run_dir / theirs.name)
+    proc = run_cli("train", "--set", "run.name=mine", "--set", "model.name=mlp", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip() == (
+        f"rayjobs: error: {run_dir / theirs.name} holds a checkpoint of the model digits_cnn/default, but this run's "
+        "model is mlp/default; give this run its own run.name (--set run.name=...), or resume a checkpoint of the same job"
+    )
+    assert proc.stdout.strip().endswith("RAY_IMPORTED=False")
+    assert sorted(p.name for p in run_dir.iterdir()) == [theirs.name]  # nothing written beside it
+
+
 def test_async_checkpoints_resume_bit_identical_too(tmp_path, uninterrupted):
     with pytest.raises(TrainingFailed):
         train.run(cfg_for(tmp_path, "async", "checkpoint.async=true", "faults.raise_at_step=53"))

@@ -39,6 +39,35 @@ def test_every_shipped_config_validates_and_opens_with_its_command(path: Path):
     )
 
 
+def header_commands(path: Path) -> list[list[str]]:
+    """The `rayjobs train|tune` commands in a config's leading comment, continuation lines joined."""
+    import shlex
+
+    commands, pending = [], ""
+    for line in path.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = f"{pending} {line.lstrip('#').strip()}".strip()
+        if text.endswith("\\"):
+            pending = text[:-1]
+            continue
+        pending = ""
+        if text.startswith(("rayjobs train", "rayjobs tune")):
+            commands.append(shlex.split(text, comments=True))
+    return commands
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_every_command_in_a_shipped_configs_header_is_a_valid_config(path: Path):
+    """What a config's header tells the user to run loads: its own --config with every --set."""
+    commands = header_commands(path)
+    assert commands, path
+    for argv in commands:
+        config = argv[argv.index("--config") + 1]
+        assert Path(config).stem == path.stem, argv
+        load_config(config, [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])
+
+
 def test_set_values_are_typed_by_the_schema():
     cfg = load_config(
         None,
