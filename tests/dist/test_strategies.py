@@ -113,11 +113,19 @@ def _worker(rank: int, world: int, port: int, strategy: str, extra: dict, out: s
 
     par, opt = parallelized(0)
     batches = _batches()
-    results = [step(par, opt, x, y) for x, y in batches[:STEPS]]
+    results = [step(par, opt, x, y) for x, y in batches[: STEPS - 1]]
+    # Sharded and TP states are DTensors: save them async, the first save still being written during
+    # the last step, the second staged into the copy the first allocated.
+    async_save = layout.sharded or layout.tp > 1
+    saver = Saver(out, ctx, cfg.model_dump(mode="json"), keep_last=1, async_save=async_save)
+    sched = stepping.build_scheduler(opt, cfg, 100)
+    if async_save:
+        saver.save(STEPS - 1, par.model, opt, sched, None, TrainState(step=STEPS - 1))
+    results.append(step(par, opt, *batches[STEPS - 1]))
     evaluated = stepping.evaluate(par.model, _eval_set(), cfg, ctx, "val", pipeline=par.pipeline)
-    saver = Saver(out, ctx, cfg.model_dump(mode="json"), keep_last=1)
-    path = saver.save(STEPS, par.model, opt, stepping.build_scheduler(opt, cfg, 100), None, TrainState(step=STEPS))
-    saver.wait()
+    saver.save(STEPS, par.model, opt, sched, None, TrainState(step=STEPS))
+    saver.close()
+    path = str(Path(out) / ckpt.name_for(STEPS))
 
     again, opt2 = parallelized(seed=7)  # other weights, then the checkpoint over them
     ckpt.load(path, again.model, opt2, ctx)
