@@ -74,15 +74,21 @@ def check_resume_from(cfg: Any) -> None:
 
 def check_own_checkpoints(cfg: Any, store: Any) -> None:
     """The same command again resumes from the run directory's newest checkpoint: one of another
-    model or dataset is refused here, in one line, instead of in every worker after Ray started."""
+    model or dataset is refused here, in one line, instead of in every worker after Ray started.
+
+    Only its state.json is read: rank 0 verifies the checkpoint's files when it resumes, and hashing
+    them here too would double that on every resume of a large model.
+    """
     if cfg.checkpoint.resume_from or store is not None:  # a resume source, or the bucket's newest (checked by rank 0)
         return
-    from rayjobs.checkpoint import latest_complete
+    from pathlib import Path
+
+    from rayjobs.checkpoint import MANIFEST, list_checkpoints
     from rayjobs.errors import ConfigError
     from rayjobs.resume import other_model
 
-    info = latest_complete(cfg.run_dir, warn=False)
-    problem = other_model(info.path, cfg) if info is not None else ""
+    committed = [c for c in list_checkpoints(cfg.run_dir, check=False) if (Path(c.path) / MANIFEST).is_file()]
+    problem = other_model(committed[-1].path, cfg) if committed else ""
     if problem:
         raise ConfigError(problem.removeprefix("error: "))
 
