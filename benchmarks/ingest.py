@@ -119,6 +119,7 @@ def rows_per_s_ray_data(folder: Path) -> float:
     import ray
 
     from rayjobs import ray_data
+    from rayjobs.launch import start_local_ray
 
     kwargs = {
         "path": str(folder),
@@ -127,7 +128,7 @@ def rows_per_s_ray_data(folder: Path) -> float:
         "num_classes": 10,
         "features": ["features"],
     }
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         ds = ray_data.datasets(ray_data.parquet(**kwargs), kwargs)["train"]
         return _second_pass_rows_per_s(

@@ -83,12 +83,13 @@ def _ray_worker(config: dict[str, Any]) -> dict[str, Any]:
 def run_under_ray(spec: dict[str, Any], workers: int, fits: int = 1) -> dict[str, Any]:
     """rayjobs' launcher: a local Ray and a TorchTrainer with ``workers`` CPU workers, ``fits`` times
     in a row (the second on the running Ray: ``warm``). The record carries the timeline's marks."""
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from rayjobs.launch import start_local_ray
+
     marks = {"driver_start": timeline.process_start(), "ray_start": time.time()}
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
+    start_local_ray(num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
     marks["ray_ready"] = time.time()
     records = []
     for i in range(fits):

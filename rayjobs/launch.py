@@ -8,7 +8,9 @@ Ray sized for the plan.
 from __future__ import annotations
 
 import os
+import socket
 import sys
+from typing import Any
 
 from rayjobs import log, parallel
 from rayjobs.config import RunConfig
@@ -138,14 +140,45 @@ def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
     # Starting a worker group takes long on a loaded small machine (several trials at once):
     # Ray's 60 s default turns that into restart loops.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
-    ray.init(
-        address="local",  # a new Ray of our own, even where a `ray start` cluster runs (RAY_ADDRESS picks that)
+    start_local_ray(
         num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
-        runtime_env={
-            "env_vars": {
-                "PYTHONPATH": path,
-                "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"],
-            }
+        env_vars={
+            "PYTHONPATH": path,
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"],
         },
         log_to_driver=True,
     )
+
+
+def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:
+    """Start a new local Ray of this process's own, whose processes all know it is theirs.
+
+    Even where another Ray runs on this machine (a `ray start` cluster, another user's run): Ray
+    Train's placement-group cleaner (a detached actor) finds its cluster through Ray's state API,
+    which without ``RAY_ADDRESS`` picks the newest `ray start` cluster, or fails outright when
+    several run. Then a trial that ASHA stopped left its workers' placement group held for good,
+    and the cleaner printed a warning every second. So the GCS port is chosen before the start,
+    and every worker gets ``RAY_ADDRESS`` pointing at it.
+    """
+    import ray
+
+    port = _free_port()
+    env = {**(env_vars or {}), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    previous = os.environ.get(GCS_PORT_VARIABLE)
+    os.environ[GCS_PORT_VARIABLE] = str(port)  # read by ray.init as it starts the head's GCS
+    try:
+        ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, **init_kwargs)
+    finally:
+        if previous is None:
+            os.environ.pop(GCS_PORT_VARIABLE, None)
+        else:
+            os.environ[GCS_PORT_VARIABLE] = previous
+
+
+GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -259,7 +259,6 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     if resume and not os.path.isdir(layout["experiment_dir"]):
         raise ConfigError(f"--resume: no search to resume at {layout['experiment_dir']}")
 
-    import ray
     from ray import tune
 
     from rayjobs import launch
@@ -307,6 +306,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 callbacks=[ProgressTable(cfg.tune.metric, cfg.tune.mode, list(cfg.tune.space))],
             ),
         )
+    before = _live_placement_groups()
     results = tuner.fit()
     summary = _summarize(cfg, layout, results, steps, started)
     errors = [r.error for r in results if r.error is not None]
@@ -317,11 +317,31 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         )
     if cfg.tracking.enabled and parent:
         _finish_parent(cfg, layout, summary)
-    leftover = [pg for pg in ray.util.placement_group_table().values() if pg.get("state") not in ("REMOVED",)]
-    summary["placement_groups_left"] = len(leftover)
+    summary["placement_groups_left"] = len(_placement_groups_left(before))
     if summary.get("failed"):
         raise TrainingFailed(f"search {layout['name']}: {summary['failed']}")
     return summary
+
+
+def _live_placement_groups() -> set[str]:
+    import ray
+
+    return {pg_id for pg_id, pg in ray.util.placement_group_table().items() if pg.get("state") != "REMOVED"}
+
+
+def _placement_groups_left(before: set[str], wait_s: float = 30.0) -> set[str]:
+    """The search's placement groups still held, after giving Ray time to free them.
+
+    A trial stopped early is killed with its Train controller; Train's detached cleaner notices
+    the dead controller (it polls every second) and only then removes the workers' group. Groups
+    that were alive before the search (another job's) are not the search's to count.
+    """
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = _live_placement_groups() - before
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def _interval(cfg: RunConfig, steps: int) -> int:

@@ -89,12 +89,13 @@ def ray_cluster():
         return
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(
-        address="local",  # never a `ray start` cluster another test left running
+    from rayjobs.launch import start_local_ray
+
+    start_local_ray(  # never a `ray start` cluster another test left running
         num_cpus=2,
+        env_vars={"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
         include_dashboard=True,
         log_to_driver=True,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}},
     )
     _shared_ray["env"] = _node_env()
     yield ray

@@ -24,13 +24,14 @@ def small_store_ray():
     import ray
     from conftest import REPO
 
+    from rayjobs.launch import start_local_ray
+
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(
-        address="local",
+    start_local_ray(
         num_cpus=2,
+        env_vars={"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
         object_store_memory=STORE,
-        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}},
     )
     yield ray
     ray.shutdown()

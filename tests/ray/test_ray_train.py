@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
-from conftest import checkpoint_weights
+from conftest import checkpoint_weights, subprocess_env
 
 from rayjobs import train
 from rayjobs.config import CONFIG_DIR, load_config
@@ -131,3 +133,45 @@ def test_a_users_data_and_task_train_under_fsdp_on_two_workers(ray_cluster, tmp_
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     logged = mlflow.get_run(summary["mlflow_run_id"]).data.metrics
     assert logged["test/within_half"] == pytest.approx(m["test/within_half"])
+
+
+def test_every_process_of_our_local_ray_knows_its_cluster_beside_another_ray(ray_cluster):
+    """Ray Train's placement-group cleaner asks Ray's state API about its controller; without
+    RAY_ADDRESS that API picks the newest `ray start` cluster on the machine, or fails when several
+    Rays run, and an early-stopped trial's workers stayed reserved (CI saw it)."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Controller:
+        def ping(self) -> int:
+            return 1
+
+    @ray.remote(num_cpus=0)
+    def what_the_state_api_sees(actor_id: str) -> tuple[str, bool]:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+        from ray.train.v2._internal.state.util import is_actor_alive
+
+        return canonicalize_bootstrap_address_or_die(None), is_actor_alive(actor_id, timeout=30)
+
+    ours = ray.get_runtime_context().gcs_address
+    other = subprocess.Popen(  # a second Ray on this machine, started by our own launcher
+        [sys.executable, "-c", START_AND_WAIT], stdout=subprocess.PIPE, text=True, env=subprocess_env()
+    )
+    try:
+        assert other.stdout.readline().strip().startswith("started"), "the second Ray did not start"
+        controller = Controller.remote()
+        ray.get(controller.ping.remote())
+        address, alive = ray.get(what_the_state_api_sees.remote(controller._actor_id.hex()))
+        assert address == ours and alive, (address, ours)
+    finally:
+        other.kill()
+        other.wait(timeout=30)
+
+
+START_AND_WAIT = (
+    "import sys, time\n"
+    "from rayjobs.launch import start_local_ray\n"
+    "start_local_ray(num_cpus=1, include_dashboard=False)\n"
+    "print('started', flush=True)\n"
+    "time.sleep(600)\n"
+)
