@@ -4,7 +4,10 @@ checkpoint it resumes from, and the memory one rank will hold. Each problem is o
 from __future__ import annotations
 
 import importlib.util
+import os
 from typing import Any
+
+from rayjobs.errors import ConfigError
 
 # (config field, the value that needs it) -> (module to import, the pip requirement that brings it)
 OPTIONAL_PACKAGES: dict[tuple[str, str], tuple[str, str]] = {
@@ -31,6 +34,22 @@ def missing_packages(cfg: Any, fields: tuple[str, ...] = ("data.name", "tune.sea
                 f"{field}: {value} needs the package {requirement!r}, which is not installed; pip install {requirement}"
             )
     return problems
+
+
+def check_writable_dir(path: str, field: str = "run.storage_path") -> None:
+    """Create ``path`` (a run's or a search's directory) now, or say in one line why it cannot be.
+
+    An object store URI is left to its store. Without this, a path under a missing mount, inside
+    a file or on a read-only disk failed as a traceback (a search's only after Ray had started).
+    """
+    if "://" in path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"{field}: cannot create {path}: {exc.strerror or exc}; give a directory you can write to"
+        ) from None
 
 
 def check_data(cfg: Any) -> Any:

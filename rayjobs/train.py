@@ -45,6 +45,7 @@ def run(
     """
     for note in paths.resolve(cfg):
         log.note(note)
+    preflight.check_writable_dir(cfg.run_dir)
     held = Lease(cfg.run_dir).acquire()  # one live driver per run directory
     try:
         return _run(

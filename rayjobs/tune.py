@@ -258,6 +258,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     layout = layout_for(cfg)
     if resume and not os.path.isdir(layout["experiment_dir"]):
         raise ConfigError(f"--resume: no search to resume at {layout['experiment_dir']}")
+    preflight.check_writable_dir(layout["train_storage"])
 
     from ray import tune
 

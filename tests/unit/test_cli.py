@@ -61,6 +61,21 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert "RAY_IMPORTED=False" in proc.stdout
 
 
+@pytest.mark.parametrize("command", [["train"], ["tune", "--config", "tune-digits"]])
+def test_a_storage_path_that_cannot_be_created_is_one_line_before_ray(command, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for storage, reason in ((a_file, "Not a directory"), ("/proc/no-such-dir", "No such file or directory")):
+        proc = run_cli(*command, "--set", f"run.storage_path={storage}")
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"rayjobs: error: run.storage_path: cannot create {storage}/"), (
+            lines
+        )
+        assert reason in lines[0] and "RAY_IMPORTED=False" in proc.stdout
+    assert a_file.read_text() == "not a directory"
+
+
 def test_bad_yaml_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training:\n  epochs: 3\n   batch_size: 2\n")
