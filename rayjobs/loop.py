@@ -253,7 +253,7 @@ def one_step(run: Run, batches: Any) -> StepResult:
         run.mlflow.log(step_metrics, state.step)
     meter.step_done()
     if ctx.is_main and state.step % cfg.training.log_every == 0:
-        log(meter.progress(state.step, run.total_steps, run.stop_at, state.epoch, result.loss, lr, state.samples))
+        log(meter.progress(state.step, run.total_steps, run.stop_at, state.epoch, result.loss, lr))
     return result
 
 
@@ -415,11 +415,11 @@ def summarize(run: Run, grad_norm: float) -> dict[str, float]:
     state, ctx, meter = run.state, run.ctx, run.meter
     loss_sum, count = all_reduce_sum([state.loss_sum, state.loss_count], ctx)
     state.loss_sum, state.loss_count = 0.0, 0
-    samples_per_s = state.samples / max(meter.train_s, 1e-9)
+    samples_per_s = meter.samples_per_s()
     return {
         "step": state.step,
         "epoch": state.epoch,
-        "train/loss": loss_sum / max(count, 1),
+        **({"train/loss": loss_sum / count} if count else {}),  # none when no step trained since the last
         "train/lr": run.scheduler.get_last_lr()[0],
         "train/grad_norm": grad_norm,
         "train/samples_per_s": samples_per_s,

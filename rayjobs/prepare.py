@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from rayjobs.errors import ConfigError
+from rayjobs.preflight import check_writable_dir
 from rayjobs.ray_data import META, SPLITS
 
 FRACTIONS = (0.7, 0.15, 0.15)  # train, val, test of a CSV or text source
@@ -24,6 +25,7 @@ def check_out(out: Path) -> None:
         raise ConfigError(
             f"data prepare: --out {out} holds files that `rayjobs data prepare` did not write; give a new or empty folder"
         )
+    check_writable_dir(str(out), "data prepare: --out")
 
 
 def _write(out: Path, tables: dict[str, Any], meta: dict[str, Any], shards: int) -> dict[str, int]:

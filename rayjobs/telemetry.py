@@ -97,6 +97,7 @@ class Meter:
         self.log_every = log_every
         self.first_step = first_step
         self.train_s = 0.0
+        self.samples = 0  # trained in this attempt (a resumed run's earlier samples are not in train_s)
         self.started = time.perf_counter()
         self._t0 = self.started
 
@@ -109,8 +110,13 @@ class Meter:
         return time.perf_counter() - self._t0
 
     def step_done(self) -> None:
-        """Count the step (and its logging) into the training time."""
+        """Count the step (and its logging) into the training time, and its samples."""
         self.train_s += time.perf_counter() - self._t0
+        self.samples += self.batch_size
+
+    def samples_per_s(self) -> float:
+        """This attempt's throughput; 0.0 before its first step (a run resumed at its last step trains none)."""
+        return self.samples / self.train_s if self.samples else 0.0
 
     def mfu(self, samples_per_s: float) -> float:
         """Model FLOPs utilization of the job at this throughput."""
@@ -135,11 +141,9 @@ class Meter:
         out["perf/data_wait_fraction"] = data_wait_s / step_s
         return out
 
-    def progress(
-        self, step: int, total_steps: int, stop_at: int, epoch: int, loss: float, lr: float, samples: int
-    ) -> str:
+    def progress(self, step: int, total_steps: int, stop_at: int, epoch: int, loss: float, lr: float) -> str:
         """The console's step line: loss, lr, throughput, MFU, elapsed and ETA."""
-        rate = samples / max(self.train_s, 1e-9)
+        rate = self.samples_per_s()
         elapsed = time.perf_counter() - self.started
         return (
             f"step {step}/{total_steps} epoch {epoch + 1} loss {loss:.4f} lr {lr:.2e} {rate:.0f} samples/s "

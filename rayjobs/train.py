@@ -392,7 +392,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"rayjobs: run {summary['run_name']} finished in {summary['wall_s']:.1f} s "
         f"({workers} worker(s), {summary['device']}, {m.get('step', 0):.0f} steps)",
         f"  {shown}",
-        f"  throughput: {summary['samples_per_s'] or 0:.0f} samples/s",
+        (
+            f"  throughput: {summary['samples_per_s']:.0f} samples/s"
+            if summary["samples_per_s"]
+            else "  throughput: no step trained (the run resumed at its last step)"
+        ),
         f"  results:    {summary['storage_path']}",
         f"  checkpoint: {summary['checkpoint']}",
     ]

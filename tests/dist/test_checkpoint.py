@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -77,6 +78,21 @@ def test_rerun_after_a_crash_resumes_bit_identical(tmp_path, uninterrupted):
         assert new_hist[step]["train/loss"] == ref_hist[step]["train/loss"], step
         assert new_hist[step]["val/loss"] == ref_hist[step]["val/loss"], step
     assert summary["metrics"]["test/accuracy"] == uninterrupted["metrics"]["test/accuracy"]
+
+
+def test_rerunning_a_finished_run_trains_nothing_and_claims_no_throughput(tmp_path):
+    """The same command again resumes at the final step: no step, so no train loss and no samples/s
+    (it printed 18240000000000 samples/s: the checkpoint's samples over this attempt's zero time)."""
+    command = ["train", "--set", "scaling.num_workers=0", "--set", "training.max_steps=12"]
+    first = run_cli(*command, cwd=tmp_path, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert re.search(r"throughput: [1-9][0-9]* samples/s", first.stdout), first.stdout
+    again = run_cli(*command, "--summary", "again.json", cwd=tmp_path, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert "throughput: no step trained (the run resumed at its last step)" in again.stdout, again.stdout
+    summary = json.loads((tmp_path / "again.json").read_text())
+    assert summary["samples_per_s"] == 0 and summary["metrics"]["step"] == 12
+    assert "train/loss" not in summary["metrics"] and summary["metrics"]["perf/mfu"] == 0
 
 
 def test_each_async_save_holds_its_own_steps_weights_though_the_staging_copy_is_reused(tmp_path):
@@ -225,7 +241,9 @@ def test_nan_skip_policy_skips_the_step_and_finishes(tmp_path, capfd):
 
 
 def test_nan_stop_policy_fails_naming_the_step(tmp_path):
-    with pytest.raises(TrainingFailed, match=r"non-finite loss at step 12 on rank\(s\) 0; every rank stopped without saving it"):
+    with pytest.raises(
+        TrainingFailed, match=r"non-finite loss at step 12 on rank\(s\) 0; every rank stopped without saving it"
+    ):
         train.run(cfg_for(tmp_path, "nanstop", "faults.nan_at_step=12"))
     assert ckpt.latest_complete(tmp_path / "nanstop").step == 10  # the NaN state was never saved
 
@@ -442,7 +460,10 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
     ]
     for args, line in [
         (["--split", "dev"], "eval: --split must be one of test, val, train, got 'dev'"),
-        (["--set", "optim.lr=1"], "eval: --set optim.lr=1: only data.*, task.*, training.batch_size and precision apply"),
+        (
+            ["--set", "optim.lr=1"],
+            "eval: --set optim.lr=1: only data.*, task.*, training.batch_size and precision apply",
+        ),
     ]:
         proc = run_cli("eval", uninterrupted["checkpoint"], *args)
         assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {line}", proc.stderr

@@ -157,6 +157,7 @@ def test_bad_input_to_data_prepare(tmp_path):
         str(foreign),
         needle="holds files that `rayjobs data prepare` did not write",
     )
+    _bad("data", "prepare", "digits", "--out", "/proc/no-such-dir", needle="--out: cannot create /proc/no-such-dir")
     csvs = tmp_path / "csvs"
     csvs.mkdir()
     (csvs / "a.csv").write_text("x,label\n1,0\n2,1\n")

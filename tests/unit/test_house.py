@@ -124,8 +124,10 @@ def test_the_meter_reports_only_every_log_every_steps_and_mfu_against_the_job_pe
     assert m["perf/samples_per_s"] == pytest.approx(10 / m["perf/step_time_s"])
     assert m["perf/mfu"] == pytest.approx(1e6 * m["perf/samples_per_s"] / 1e9)
     assert m["perf/tokens_per_s"] == pytest.approx(4 * m["perf/samples_per_s"])
+    assert meter.samples_per_s() == 0.0  # no step done yet: no throughput, not samples / 0
     meter.step_done()
-    assert meter.train_s > 0 and "eta" in meter.progress(5, 10, 10, 0, 0.5, 1e-3, 50)
+    assert meter.train_s > 0 and "eta" in meter.progress(5, 10, 10, 0, 0.5, 1e-3)
+    assert meter.samples == 10 and meter.samples_per_s() == pytest.approx(10 / meter.train_s)
 
 
 def test_the_worker_recipe_reads_in_one_screen():
