@@ -123,6 +123,10 @@ def resolve_callable(path: str) -> Callable[..., Any]:
     return obj
 
 
+class NotAModule(TypeError):
+    """A user's ``module:callable`` returned something other than an ``nn.Module``."""
+
+
 def build_model(name: str, flavor: str, kwargs: dict[str, Any], info: DataInfo) -> nn.Module:
     """Build a registered model (flavor preset, then ``kwargs`` on top), ``hf:<dir>`` (``kwargs``
     replace config fields) or a user's callable."""
@@ -131,7 +135,7 @@ def build_model(name: str, flavor: str, kwargs: dict[str, Any], info: DataInfo) 
     if is_import_path(name):
         model = resolve_callable(name)(**kwargs)
         if not isinstance(model, nn.Module):
-            raise TypeError(f"{name} returned {type(model).__name__}, not a torch.nn.Module")
+            raise NotAModule(f"{name} returned {type(model).__name__}, not a torch.nn.Module")
         return model
     spec = get_spec(name)
     return spec.builder(info=info, **{**spec.flavors[flavor], **kwargs})

@@ -177,12 +177,15 @@ def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
 
 def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
     """Print what one rank will hold (parameters, gradients, optimizer state, activations); return the total."""
+    from models.registry import NotAModule
     from rayjobs import log, parallel
     from rayjobs.memory import estimate
 
     layout = parallel.resolve_layout(cfg.parallel, world_size)
     try:
         est = estimate(cfg, layout, use_gpu)
+    except NotAModule as exc:  # on any device: say so before Ray starts, not in every worker
+        raise ConfigError(f"model.name: {exc}; the callable must build and return the model") from None
     except Exception as exc:  # noqa: BLE001 - a user's model may not run on the meta device
         log.note(f"no memory estimate ({cfg.model.name} does not run on the meta device: {exc})")
         return None

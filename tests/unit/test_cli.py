@@ -36,6 +36,7 @@ def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():
         (["--config", "no/such.yaml"], "--config: no file no/such.yaml and no shipped config"),
         (["--set", "model.name=resnet"], "model.name: unknown model 'resnet'"),
         (["--set", "data.name=imagenet"], "data.name: unknown dataset 'imagenet'"),
+        (["--set", "model.name=os:getcwd"], "model.name: os:getcwd returned str, not a torch.nn.Module"),
         (
             ["--set", "training.batch_size=63"],
             "training.batch_size: must be a multiple of workers (2) x grad_accum (1) = 2, got 63",
