@@ -333,11 +333,15 @@ def finish_tracking(
     wait_s: float = 90.0,
     final: bool = True,
 ) -> str | None:
-    """Replay anything spooled, log the end-of-run artifacts and model, end the MLflow run."""
+    """Replay anything spooled, log the end-of-run artifacts and model, end the MLflow run.
+
+    An outage during the run is waited out for ``wait_s``; a server never reached (no run opened at
+    the start, e.g. a mistyped ``tracking.uri``) is tried once: the spool keeps the metrics.
+    """
     from rayjobs import tracking
 
     spool, tracker = RunDir(cfg.run_dir).spool, tracking.Tracker(cfg)
-    deadline = time.time() + wait_s
+    deadline = time.time() + (wait_s if run_id else 0.0)
     while True:
         try:
             run_id = run_id or tracker.open(cfg.run_dir)

@@ -150,6 +150,30 @@ def test_server_down_for_30s_mid_run_loses_no_metric(tmp_path):
         server.stop(proc)
 
 
+def test_a_server_never_reached_is_not_waited_for_at_the_end(tmp_path, capfd):
+    """A mistyped tracking.uri: the run trains and spools; its end tries the server once (it waited
+    90 s for a server that had never answered), and the spooled metrics stay for the next run."""
+    cfg = load_config(
+        None,
+        [
+            f"run.storage_path={tmp_path}",
+            "run.name=nowhere",
+            "scaling.num_workers=0",
+            "training.max_steps=6",
+            "tracking.log_every=2",
+            f"tracking.uri=http://127.0.0.1:{free_port()}",
+        ],
+    )
+    started = time.monotonic()
+    summary = train.run(cfg)
+    elapsed = time.monotonic() - started
+    assert summary["metrics"]["step"] == 6 and summary["mlflow_run_id"] is None
+    out = "".join(capfd.readouterr())
+    assert "is unavailable" in out and "could not finish the MLflow run" in out, out
+    assert tracking.has_pending(tmp_path / "nowhere" / ".mlflow-spool.jsonl")
+    assert elapsed < 60, f"the run took {elapsed:.0f} s: its end waited for a server that never answered"
+
+
 @pytest.mark.slow
 def test_basic_auth_refuses_anonymous_and_logs_with_credentials(tmp_path, monkeypatch):
     from rayjobs import mlflow_server as server
