@@ -14,6 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from rayjobs import preflight
 from rayjobs.errors import ConfigError, TrainingFailed
 from rayjobs.storage.bucket import StoreError
 
@@ -415,6 +416,7 @@ def _export(args: argparse.Namespace) -> None:
     if not args.out.endswith((".pt", ".pth", ".safetensors")):
         raise ConfigError(f"export: --out must end in .pt, .pth or .safetensors, got {args.out!r}")
     checkpoint = checkpoint_directory(args)
+    preflight.check_writable_dir(str(Path(args.out).resolve().parent), "export: --out")
     try:
         info = export_weights(checkpoint, args.out, args.trust_model)
     except CheckpointError as exc:

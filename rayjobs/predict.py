@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from rayjobs.errors import ConfigError
+from rayjobs.preflight import check_writable_dir
 
 FORMATS = {".parquet": "parquet", ".csv": "csv"}
 
@@ -96,6 +97,7 @@ def predict(
     if Path(out).exists() and any(Path(out).iterdir()):
         raise ConfigError(f"predict: --out {out} is not empty; give a new directory")
     (_check_tokens if info.kind == "tokens" else _check_width)(files[0], fmt, features, info)
+    check_writable_dir(out, "predict: --out")
     import ray
 
     if not ray.is_initialized():
@@ -153,6 +155,12 @@ def _default_features(cfg: Any, columns: list[str]) -> list[str]:
     return [c for c in columns if c not in (label, "y")]
 
 
+def _first_row(table: Any, first: str) -> dict[str, Any]:
+    if table.num_rows == 0:
+        raise ConfigError(f"predict: {first} holds no rows (a header only?); give data with rows to predict")
+    return table.slice(0, 1).to_pylist()[0]
+
+
 def _check_tokens(first: str, fmt: str, features: list[str], info: Any) -> None:
     """A language model reads one column of token ids per row, each below its vocabulary size."""
     import pyarrow.parquet as pq
@@ -162,7 +170,7 @@ def _check_tokens(first: str, fmt: str, features: list[str], info: Any) -> None:
             "predict: a language model reads one Parquet column of token ids per row (like `rayjobs data prepare "
             f"text`'s tokens); got {', '.join(features)} of {first}; name it with --features"
         )
-    row = pq.read_table(first, columns=features).slice(0, 1).to_pylist()[0][features[0]]
+    row = _first_row(pq.read_table(first, columns=features), first)[features[0]]
     if not isinstance(row, list) or not row or not all(isinstance(t, int) and 0 <= t < info.num_classes for t in row):
         raise ConfigError(
             f"predict: {features[0]} of {first} must hold lists of token ids in [0, {info.num_classes}) for this "
@@ -178,7 +186,7 @@ def _check_width(first: str, fmt: str, features: list[str], info: Any) -> None:
     import pyarrow.parquet as pq
 
     table = pq.read_table(first, columns=features) if fmt == "parquet" else pacsv.read_csv(first)
-    row = table.slice(0, 1).to_pylist()[0]
+    row = _first_row(table, first)
     width = sum(len(v) if isinstance(v, list) else 1 for k, v in row.items() if k in features)
     if width != math.prod(info.input_shape):
         raise ConfigError(

@@ -48,6 +48,18 @@ def test_predict_writes_one_prediction_per_row_equal_to_the_models(tmp_path):
     )
     assert wrong.returncode == 2 and "the model takes 64 values per row (input (1, 8, 8)), but label of" in wrong.stderr
     assert "RAY_IMPORTED=False" in wrong.stdout  # refused before Ray starts
+    header_only = tmp_path / "header.csv"
+    header_only.write_text(",".join(f"p{i}" for i in range(64)) + "\n")
+    empty = run_cli("predict", summary["checkpoint"], "--data", str(header_only), "--out", str(tmp_path / "e"))
+    assert empty.returncode == 2 and empty.stderr.strip() == (
+        f"rayjobs: error: predict: {header_only} holds no rows (a header only?); give data with rows to predict"
+    )
+    nowhere = run_cli("predict", summary["checkpoint"], "--data", str(rows), "--out", "/proc/no-such/preds")
+    assert nowhere.returncode == 2 and "predict: --out: cannot create /proc/no-such/preds" in nowhere.stderr
+    exported = run_cli("export", summary["checkpoint"], "--out", "/proc/no-such/w.pt")
+    assert exported.returncode == 2 and "export: --out: cannot create /proc/no-such" in exported.stderr
+    for proc in (empty, nowhere, exported):
+        assert "Traceback" not in proc.stderr and "RAY_IMPORTED=False" in proc.stdout
 
 
 def test_predict_gives_a_language_models_next_token_for_each_row(tmp_path):
