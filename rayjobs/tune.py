@@ -99,6 +99,18 @@ def space_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def scheduler_problems(cfg: RunConfig) -> list[str]:
+    """ASHA's first rung must come before the end of a trial (``tune.max_t``, or the run's length)."""
+    t = cfg.tune
+    if t.scheduler != "asha":
+        return []
+    length = t.max_t or (_run_length(cfg) if t.time_attr == "step" else cfg.training.epochs)
+    if t.grace_period <= length:
+        return []
+    end = f"tune.max_t={t.max_t}" if t.max_t else f"the run's length, {length} {t.time_attr}s"
+    return [f"tune.grace_period: {t.grace_period} is past the end of a trial ({end}); give a smaller one"]
+
+
 def tune_domain(spec: dict[str, Any]) -> Any:
     """The Ray Tune domain for one validated space entry."""
     from ray import tune
@@ -250,7 +262,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
     for note in paths.resolve(cfg):
         log.note(note)
-    problems = space_problems(cfg) + preflight.missing_packages(cfg)
+    problems = space_problems(cfg) + scheduler_problems(cfg) + preflight.missing_packages(cfg)
     if cfg.scaling.num_workers == 0:
         problems.append("scaling.num_workers: a search needs workers (each trial runs a TorchTrainer); use 1 or more")
     if problems:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import run_cli
 
 from rayjobs import tune
 from rayjobs.config import load_config
@@ -42,6 +43,24 @@ def test_bad_search_spaces_are_one_line_errors(overrides, expected):
     cfg = load_config(TUNE, overrides)
     problems = tune.space_problems(cfg)
     assert any(p.startswith(expected) for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "sets, expected",
+    [
+        (["tune.max_t=5", "tune.grace_period=10"], "tune.grace_period: 10 is past the end of a trial (tune.max_t=5)"),
+        (
+            ["tune.grace_period=1000"],
+            "tune.grace_period: 1000 is past the end of a trial (the run's length, 228 steps)",
+        ),
+    ],
+)
+def test_an_asha_first_rung_past_the_end_of_a_trial_is_one_line_before_ray(sets, expected):
+    proc = run_cli("tune", "--config", "tune-digits", *[a for s in sets for a in ("--set", s)])
+    assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {expected}; give a smaller one", (
+        proc.stderr
+    )
+    assert "RAY_IMPORTED=False" in proc.stdout
 
 
 def test_a_metric_no_trial_reports_is_refused():
