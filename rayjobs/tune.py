@@ -100,15 +100,21 @@ def space_problems(cfg: RunConfig) -> list[str]:
 
 
 def scheduler_problems(cfg: RunConfig) -> list[str]:
-    """ASHA's first rung must come before the end of a trial (``tune.max_t``, or the run's length)."""
+    """The scheduler's first decision must come before the end of a trial: ASHA's first rung
+    (before ``tune.max_t`` or the run's length), PBT's first exploit; PBT makes its own trials."""
     t = cfg.tune
-    if t.scheduler != "asha":
-        return []
-    length = t.max_t or (_run_length(cfg) if t.time_attr == "step" else cfg.training.epochs)
-    if t.grace_period <= length:
-        return []
-    end = f"tune.max_t={t.max_t}" if t.max_t else f"the run's length, {length} {t.time_attr}s"
-    return [f"tune.grace_period: {t.grace_period} is past the end of a trial ({end}); give a smaller one"]
+    length = _run_length(cfg) if t.time_attr == "step" else cfg.training.epochs
+    if t.scheduler == "asha" and t.grace_period > (t.max_t or length):
+        end = f"tune.max_t={t.max_t}" if t.max_t else f"the run's length, {length} {t.time_attr}s"
+        return [f"tune.grace_period: {t.grace_period} is past the end of a trial ({end}); give a smaller one"]
+    if t.scheduler == "pbt" and t.search != "random":
+        return [f"tune.search: {t.search} cannot drive tune.scheduler=pbt (PBT makes its own trials); use random"]
+    if t.scheduler == "pbt" and t.perturbation_interval >= length:
+        return [
+            f"tune.perturbation_interval: {t.perturbation_interval} {t.time_attr}s leaves no exploit before the end of "
+            f"a trial ({length} {t.time_attr}s); give a smaller one"
+        ]
+    return []
 
 
 def tune_domain(spec: dict[str, Any]) -> Any:
