@@ -88,6 +88,14 @@ def check_resume_from(cfg: Any) -> None:
     problem = verify(path)
     if problem:
         raise ConfigError(f"checkpoint.resume_from: {path} is not a complete checkpoint: {problem}")
+    from rayjobs.checkpoint import latest_complete
+    from rayjobs.resume import other_model
+
+    # The first start resumes from it, later ones from their own newest (a bucket's: rank 0 checks).
+    if "://" not in cfg.storage_path and latest_complete(cfg.run_dir) is None:
+        problem = other_model(path, cfg)
+        if problem:
+            raise ConfigError(f"checkpoint.resume_from: {problem.removeprefix('error: ')}")
     cfg.checkpoint.resume_from = path
 
 

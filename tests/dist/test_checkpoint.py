@@ -195,6 +195,9 @@ def test_resume_from_an_explicit_checkpoint_and_a_bad_one(tmp_path, uninterrupte
 
     with pytest.raises(ConfigError, match="checkpoint.resume_from: no checkpoint directory at"):
         train.run(cfg_for(tmp_path, "x", f"checkpoint.resume_from={tmp_path}/nope"))
+    with pytest.raises(ConfigError, match="checkpoint.resume_from: .* holds a checkpoint of the model digits_cnn/default, "):
+        train.run(cfg_for(tmp_path, "other-model", f"checkpoint.resume_from={source}", "model.name=mlp"))
+    assert not (tmp_path / "other-model").exists() or not list((tmp_path / "other-model").glob("checkpoint_*"))
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # MLflow's thread warns, lives
