@@ -100,8 +100,12 @@ def predict(
     check_writable_dir(out, "predict: --out")
     import ray
 
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS") or "local", log_to_driver=False)
+    if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    elif not ray.is_initialized():
+        from rayjobs.launch import start_local_ray
+
+        start_local_ray(num_cpus=os.cpu_count() or 1, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     ray.data.DataContext.get_current().enable_progress_bars = False
     rows = ray.data.read_parquet(files) if fmt == "parquet" else ray.data.read_csv(files)
