@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             from rayjobs.mlflow_server import serve
 
             _check_port("ui --port", args.port)
-            _check_writable_dir("ui --storage-path", args.storage_path)
+            preflight.check_writable_dir(args.storage_path, "ui --storage-path")
             serve(args.storage_path, args.port, args.auth)
     except ConfigError as exc:
         for problem in exc.problems:
@@ -326,23 +326,13 @@ def _summary_path(given: str | None) -> str | None:
         print(f"rayjobs: {note}", flush=True)
     if os.path.isdir(path):
         raise ConfigError(f"--summary {given}: is a directory; give a file path, e.g. results/summary.json")
-    _check_writable_dir("--summary", os.path.dirname(path))  # before the run, not after it
+    preflight.check_writable_dir(os.path.dirname(path), "--summary")  # before the run, not after it
     return path
 
 
 def _check_port(what: str, port: int) -> None:
     if not 1 <= port <= 65535:
         raise ConfigError(f"{what}: must be a TCP port from 1 to 65535, got {port}")
-
-
-def _check_writable_dir(what: str, folder: str) -> None:
-    """``folder`` exists (made if needed) and this process can write there; else a one-line ConfigError."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot create {folder}: {exc.strerror or exc}") from None
-    if not os.access(folder, os.W_OK):
-        raise ConfigError(f"{what}: {folder} is not writable")
 
 
 def _doctor(args: argparse.Namespace) -> None:
@@ -431,10 +421,11 @@ def _eval(args: argparse.Namespace) -> None:
     from rayjobs.evaluation import evaluate_checkpoint, format_eval
     from rayjobs.train import write_summary
 
+    summary_path = _summary_path(args.summary)
     result = evaluate_checkpoint(checkpoint_directory(args), args.split, args.overrides, args.trust_model)
     print(format_eval(result))
-    if args.summary:
-        write_summary(result, args.summary)
+    if summary_path:
+        write_summary(result, summary_path)
 
 
 def _predict(args: argparse.Namespace) -> None:

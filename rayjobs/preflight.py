@@ -50,6 +50,8 @@ def check_writable_dir(path: str, field: str = "run.storage_path") -> None:
         raise ConfigError(
             f"{field}: cannot create {path}: {exc.strerror or exc}; give a directory you can write to"
         ) from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"{field}: {path} is not writable; give a directory you can write to")
 
 
 def check_data(cfg: Any) -> Any:

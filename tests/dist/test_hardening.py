@@ -271,6 +271,7 @@ def test_a_second_live_driver_of_the_same_run_is_refused(tmp_path):
         (["ui", "--port", "99999"], "ui --port: must be a TCP port from 1 to 65535, got 99999"),
         (["ui", "--storage-path", "/proc/no/such"], "ui --storage-path: cannot create /proc/no/such"),
         (["train", "--summary", "/proc/no/such/s.json"], "--summary: cannot create /proc/no"),
+        (["eval", "/no/such", "--summary", "/proc/no/such/s.json"], "--summary: cannot create /proc/no"),
         (["cluster", "up", "--dashboard-port", "70000"], "cluster up --dashboard-port: must be a TCP port"),
         (["cluster", "up", "--config", "/no/such.yaml"], "cluster config: cannot read /no/such.yaml"),
         (["export", "/no/such", "--out", "w.pt"], "export: no checkpoint directory at /no/such"),
