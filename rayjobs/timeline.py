@@ -49,11 +49,16 @@ def driver_start() -> float:
     """Where a run's launch begins: the process's start for the first run in it, else now.
 
     A Tune trial's first run includes its actor's start; a later PBT segment in the same process
-    (or a second run from one Python session) starts when it is called.
+    (or a second run from one Python session) starts when it is called, and so does the first run
+    of a process that was already running for a while (a notebook, a test session).
     """
     global _first_run_in_process
     first, _first_run_in_process = _first_run_in_process, False
-    return min(process_start(), time.time()) if first else time.time()
+    now, started = time.time(), process_start()
+    return started if first and 0 <= now - started < FRESH_PROCESS_S else now
+
+
+FRESH_PROCESS_S = 120.0  # a process started to run this job (the CLI, a trial actor) gets here sooner
 
 
 def phases(marks: dict[str, float]) -> list[tuple[str, float]]:
