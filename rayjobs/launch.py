@@ -150,6 +150,9 @@ def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
     )
 
 
+GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # ray.init reads it as it starts a head's GCS
+
+
 def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:
     """Start a new local Ray of this process's own, whose processes all know it is theirs.
 
@@ -165,7 +168,7 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
     port = _free_port()
     env = {**(env_vars or {}), "RAY_ADDRESS": f"127.0.0.1:{port}"}
     previous = os.environ.get(GCS_PORT_VARIABLE)
-    os.environ[GCS_PORT_VARIABLE] = str(port)  # read by ray.init as it starts the head's GCS
+    os.environ[GCS_PORT_VARIABLE] = str(port)
     try:
         ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, **init_kwargs)
     finally:
@@ -173,9 +176,6 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
             os.environ.pop(GCS_PORT_VARIABLE, None)
         else:
             os.environ[GCS_PORT_VARIABLE] = previous
-
-
-GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"
 
 
 def _free_port() -> int:

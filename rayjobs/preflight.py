@@ -58,7 +58,6 @@ def check_data(cfg: Any) -> Any:
     """A streamed dataset's source, checked before Ray starts (None for in-memory datasets)."""
     from rayjobs import data as data_lib
     from rayjobs import parallel
-    from rayjobs.errors import ConfigError
 
     if not data_lib.is_streaming(cfg.data.name):
         return None
@@ -82,7 +81,6 @@ def check_resume_from(cfg: Any) -> None:
     import os
 
     from rayjobs.checkpoint import verify
-    from rayjobs.errors import ConfigError
 
     path = os.path.abspath(cfg.checkpoint.resume_from)
     if not os.path.isdir(path):
@@ -90,34 +88,37 @@ def check_resume_from(cfg: Any) -> None:
     problem = verify(path)
     if problem:
         raise ConfigError(f"checkpoint.resume_from: {path} is not a complete checkpoint: {problem}")
-    from rayjobs.checkpoint import latest_complete
     from rayjobs.resume import other_model
 
     # The first start resumes from it, later ones from their own newest (a bucket's: rank 0 checks).
-    if "://" not in cfg.storage_path and latest_complete(cfg.run_dir) is None:
+    if "://" not in cfg.storage_path and newest_committed(cfg.run_dir) is None:
         problem = other_model(path, cfg)
         if problem:
             raise ConfigError(f"checkpoint.resume_from: {problem.removeprefix('error: ')}")
     cfg.checkpoint.resume_from = path
 
 
-def check_own_checkpoints(cfg: Any, store: Any) -> None:
-    """The same command again resumes from the run directory's newest checkpoint: one of another
-    model or dataset is refused here, in one line, instead of in every worker after Ray started.
-
-    Only its state.json is read: rank 0 verifies the checkpoint's files when it resumes, and hashing
-    them here too would double that on every resume of a large model.
-    """
-    if cfg.checkpoint.resume_from or store is not None:  # a resume source, or the bucket's newest (checked by rank 0)
-        return
+def newest_committed(run_dir: str) -> str | None:
+    """The run directory's newest checkpoint with a manifest (committed), found without hashing its
+    files: rank 0 verifies them when it resumes, and hashing them here too would double that."""
     from pathlib import Path
 
     from rayjobs.checkpoint import MANIFEST, list_checkpoints
-    from rayjobs.errors import ConfigError
+
+    committed = [c.path for c in list_checkpoints(run_dir, check=False) if (Path(c.path) / MANIFEST).is_file()]
+    return committed[-1] if committed else None
+
+
+def check_own_checkpoints(cfg: Any, store: Any) -> None:
+    """The same command again resumes from the run directory's newest checkpoint: one of another
+    model or dataset is refused here, in one line, instead of in every worker after Ray started
+    (only its state.json is read)."""
+    if cfg.checkpoint.resume_from or store is not None:  # a resume source, or the bucket's newest (checked by rank 0)
+        return
     from rayjobs.resume import other_model
 
-    committed = [c for c in list_checkpoints(cfg.run_dir, check=False) if (Path(c.path) / MANIFEST).is_file()]
-    problem = other_model(committed[-1].path, cfg) if committed else ""
+    newest = newest_committed(cfg.run_dir)
+    problem = other_model(newest, cfg) if newest else ""
     if problem:
         raise ConfigError(problem.removeprefix("error: "))
 
@@ -131,7 +132,6 @@ def check_init_from(cfg: Any) -> str:
     import os
 
     from rayjobs.checkpoint import saved_config, verify
-    from rayjobs.errors import ConfigError
 
     if source.startswith(MLFLOW_SOURCES):
         from rayjobs.tracking import tracking_uri
@@ -163,7 +163,7 @@ def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
     argument in the one-line error."""
     from mlflow import MlflowClient
 
-    from rayjobs.errors import ConfigError, first_line
+    from rayjobs.errors import first_line
     from rayjobs.tracking import MODEL_CHECKPOINT_TAG
 
     client = MlflowClient(uri)

@@ -103,6 +103,8 @@ def scheduler_problems(cfg: RunConfig) -> list[str]:
     """The scheduler's first decision must come before the end of a trial: ASHA's first rung
     (before ``tune.max_t`` or the run's length), PBT's first exploit; PBT makes its own trials."""
     t = cfg.tune
+    if t.scheduler == "fifo":
+        return []
     length = _run_length(cfg) if t.time_attr == "step" else cfg.training.epochs
     if t.scheduler == "asha" and t.grace_period > (t.max_t or length):
         end = f"tune.max_t={t.max_t}" if t.max_t else f"the run's length, {length} {t.time_attr}s"
