@@ -7,6 +7,7 @@ Ray sized for the plan.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -114,20 +115,26 @@ def elastic_problems(cfg: RunConfig, low: int, high: int) -> list[str]:
     return problems
 
 
-def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
+def init_ray(plan: ScalingPlan, streaming: bool = False, driver_cpus: float = 0.0) -> None:
     """Connect to the cluster in RAY_ADDRESS, or start a local Ray sized for the plan.
 
     A streamed dataset (Ray Data) needs CPUs beside the training workers for its read and
     ``map_batches`` tasks: a local Ray gets one more; on a running cluster a warning says so.
+    ``driver_cpus`` is what a driver actor reserves beside its workers (a Tune trial's).
     """
     import ray
 
-    cpus_needed = plan.num_workers * plan.cpus_per_worker
+    cpus_needed = plan.num_workers * plan.cpus_per_worker + driver_cpus
     if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
         if not ray.is_initialized():
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
-        if streaming and cluster_cpus - cpus_needed < 1:
+        if cluster_cpus < cpus_needed:
+            log.alert(
+                f"this run takes {cpus_needed:g} CPU(s) and the cluster has {cluster_cpus:g} now: it waits for an "
+                "autoscaled node; lower scaling.num_workers or scaling.resources_per_worker.CPU to start now"
+            )
+        elif streaming and cluster_cpus - cpus_needed < 1:
             log.alert(
                 f"Ray Data reads on CPUs beside the training workers, and this cluster has {cluster_cpus:g} "
                 f"CPU(s) with {cpus_needed:g} taken by the workers: reading waits for an autoscaled node; "
@@ -141,13 +148,18 @@ def init_ray(plan: ScalingPlan, streaming: bool = False) -> None:
     # Ray's 60 s default turns that into restart loops.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
     start_local_ray(
-        num_cpus=max(os.cpu_count() or 1, int(cpus_needed + 0.999)),
+        num_cpus=local_ray_cpus(cpus_needed),
         env_vars={
             "PYTHONPATH": path,
             "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"],
         },
         log_to_driver=True,
     )
+
+
+def local_ray_cpus(cpus_needed: float) -> int:
+    """CPUs a local Ray declares: this machine's, or more where one run needs more (oversubscribed)."""
+    return max(os.cpu_count() or 1, math.ceil(cpus_needed - 1e-9))
 
 
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # ray.init reads it as it starts a head's GCS

@@ -23,6 +23,7 @@ from typing import Any
 from rayjobs import log
 from rayjobs.config import SPACE_KINDS, RunConfig, from_dict, set_by_path
 from rayjobs.errors import ConfigError, TrainingFailed
+from rayjobs.plan import ScalingPlan
 from rayjobs.rundir import RunDir
 
 POINTER = "pointer.json"  # a Tune checkpoint (PBT) names the Train checkpoint it stands for
@@ -93,9 +94,11 @@ def space_problems(cfg: RunConfig) -> list[str]:
                 detail = "; ".join(exc.problems)
                 problems.append(f"{where}: value {value!r} does not fit the config: {detail}")
                 break
-    if cfg.tune.scheduler == "pbt":
-        if not cfg.tune.space:
-            problems.append("tune.space: pbt needs at least one hyperparameter to mutate")
+    if not cfg.tune.space:  # every trial would train the same config with the same seed
+        problems.append(
+            "tune.space: empty: a search needs at least one hyperparameter to vary, e.g. "
+            "--set 'tune.space={optim.lr: {loguniform: [0.0005, 0.02]}}' (or --config tune-digits)"
+        )
     return problems
 
 
@@ -287,7 +290,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
     started = time.time()
     plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
-    launch.init_ray(plan)
+    launch.init_ray(plan, driver_cpus=cfg.tune.trial_cpus)  # a local Ray fits one trial at least
     steps = _run_length(cfg)
     layout["perturbation_interval"] = _interval(cfg, steps)
     parent = _start_parent(cfg, layout) if cfg.tracking.enabled else None
@@ -313,7 +316,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
                 metric=cfg.tune.metric,
                 mode=cfg.tune.mode,
                 num_samples=cfg.tune.num_samples,
-                search_alg=_search_alg(cfg, _max_concurrent(cfg, trial_resources)),
+                search_alg=_search_alg(cfg, _max_concurrent(cfg, plan, trial_resources)),
                 scheduler=_scheduler(cfg, steps, layout),
                 time_budget_s=cfg.tune.time_budget_s or None,
             ),
@@ -376,16 +379,15 @@ def _trial_resources(cfg: RunConfig) -> dict[str, float]:
     return {"CPU": cfg.tune.trial_cpus}
 
 
-def _max_concurrent(cfg: RunConfig, trial_resources: dict[str, float]) -> int:
+def _max_concurrent(cfg: RunConfig, plan: ScalingPlan, trial_resources: dict[str, float]) -> int:
     """``auto``: cluster CPUs divided by what one trial takes (its driver plus its workers)."""
     if cfg.tune.max_concurrent_trials != "auto":
         return int(cfg.tune.max_concurrent_trials)
     import ray
 
     total = ray.cluster_resources().get("CPU", 1.0)
-    n = cfg.scaling.num_workers
-    workers = n if isinstance(n, int) else max(n)  # an elastic trial may grow to its maximum
-    per_trial = trial_resources["CPU"] + workers * cfg.scaling.resources_per_worker.get("CPU", 1.0)
+    workers = max(plan.num_workers, plan.max_workers)  # an elastic trial may grow to its maximum
+    per_trial = trial_resources["CPU"] + workers * plan.cpus_per_worker
     return max(1, int(total // per_trial))
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from conftest import run_cli
 
@@ -58,6 +62,7 @@ def test_bad_search_spaces_are_one_line_errors(overrides, expected):
             "tune.perturbation_interval: 228 steps leaves no exploit before the end of a trial (228 steps)",
         ),
         (["tune.scheduler=pbt", "tune.search=optuna"], "tune.search: optuna cannot drive tune.scheduler=pbt"),
+        (["tune.space={}"], "tune.space: empty: a search needs at least one hyperparameter to vary"),
     ],
 )
 def test_a_scheduler_that_would_never_decide_is_one_line_before_ray(sets, expected):
@@ -75,6 +80,22 @@ def test_a_metric_no_trial_reports_is_refused():
         match="tune.metric: task classification reports val/loss, val/accuracy, train/loss at every eval, not 'val/f1'",
     ):
         load_config(TUNE, ["tune.metric=val/f1"])
+
+
+@pytest.mark.ray
+def test_a_local_searchs_ray_fits_a_trial_driver_beside_its_workers():
+    """A trial's driver reserves tune.trial_cpus beside its workers: with as many 1-CPU workers as
+    cores, a local Ray of just the cores never placed the workers (300 s, then retries)."""
+    code = (
+        "import os, ray; from rayjobs import launch; from rayjobs.plan import ScalingPlan; "
+        "launch.init_ray(ScalingPlan(os.cpu_count(), False, {'CPU': 1.0}), driver_cpus=0.1); "
+        "print('CPUS', int(ray.cluster_resources()['CPU']), os.cpu_count())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("CPUS"))
+    declared, cores = map(int, line.split()[1:])
+    assert declared == cores + 1, (line, proc.stderr[-2000:])
 
 
 def test_shipped_search_space_is_valid():
