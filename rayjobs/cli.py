@@ -14,7 +14,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from rayjobs import preflight
+from rayjobs import log, preflight
 from rayjobs.errors import ConfigError, TrainingFailed
 from rayjobs.storage.bucket import StoreError
 
@@ -107,7 +107,9 @@ def _trust_model_argument(parser: argparse.ArgumentParser) -> None:
 
 def _checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "checkpoint", metavar="CHECKPOINT", help="a checkpoint directory, runs:/RUN_ID or models:/NAME/VERSION|@ALIAS"
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a checkpoint directory, a run directory (its newest complete checkpoint), runs:/RUN_ID or models:/NAME/VERSION|@ALIAS",
     )
     parser.add_argument(
         "--tracking-uri",
@@ -133,7 +135,28 @@ def checkpoint_directory(args: argparse.Namespace) -> str:
         source = mlflow_checkpoint(uri, source, args.command)
     if not os.path.isdir(source):
         raise ConfigError(f"{args.command}: no checkpoint directory at {source}")
-    return source
+    return _checkpoint_of(source, args.command)
+
+
+def _checkpoint_of(directory: str, command: str) -> str:
+    """A checkpoint directory as it is; a run directory's newest complete checkpoint, said aloud."""
+    from rayjobs.checkpoint import MANIFEST, STATE, latest_complete, list_checkpoints
+
+    if os.path.isfile(os.path.join(directory, MANIFEST)) or os.path.isfile(os.path.join(directory, STATE)):
+        return directory  # a checkpoint (complete or not: loading it says what is missing)
+    if not list_checkpoints(directory, check=False):
+        raise ConfigError(
+            f"{command}: {directory} is neither a checkpoint (no {MANIFEST}) nor a run directory (no checkpoint_* "
+            "in it); give a checkpoint directory: `rayjobs checkpoints RUN` lists a run's"
+        )
+    newest = latest_complete(directory, warn=False)
+    if newest is None:
+        raise ConfigError(
+            f"{command}: run directory {directory} has no complete checkpoint; `rayjobs checkpoints {directory}` "
+            "says what each one lacks"
+        )
+    log.note(f"{command}: {directory} is a run directory: using its newest complete checkpoint, {newest.path}")
+    return str(newest.path)
 
 
 def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:

@@ -472,6 +472,15 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
         assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {line}", proc.stderr
     proc = run_cli("eval", str(tmp_path / "nope"))
     assert proc.stderr.strip() == f"rayjobs: error: eval: no checkpoint directory at {tmp_path / 'nope'}"
+    proc = run_cli("eval", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"rayjobs: error: eval: {tmp_path} is neither a checkpoint (no manifest.json) nor a run directory "
+        "(no checkpoint_* in it); give a checkpoint directory: `rayjobs checkpoints RUN` lists a run's"
+    )
+    run_dir = os.path.dirname(uninterrupted["checkpoint"])  # a run directory: its newest complete checkpoint
+    proc = run_cli("eval", run_dir)
+    assert proc.returncode == 0 and f"test/accuracy {m['test/accuracy']:.4f}" in proc.stdout, proc.stderr[-2000:]
+    assert f"using its newest complete checkpoint, {uninterrupted['checkpoint']}" in proc.stdout, proc.stdout
 
 
 def test_eval_and_export_take_the_mlflow_run_of_a_checkpoint(uninterrupted, tmp_path):
