@@ -74,6 +74,24 @@ def check_data(cfg: Any) -> Any:
         raise ConfigError(str(exc)) from None
 
 
+def check_stream_rows(cfg: Any, source: Any, world_size: int) -> None:
+    """A streamed source must hold a full batch of training rows for every worker: a run that could
+    take no step is one line here, not an error in every worker after Ray started."""
+    from rayjobs.stepping import micro_batch_size
+
+    if source is None or "train" not in source.rows:
+        return
+    rows, t = source.rows["train"], cfg.training
+    micro_batch = micro_batch_size(t.batch_size, world_size, t.grad_accum)
+    if rows // world_size // micro_batch // t.grad_accum == 0:
+        where = cfg.data.kwargs.get("path") or cfg.data.name
+        raise ConfigError(
+            f"training.batch_size: {t.batch_size} rows a step, but {where} holds {rows} training row(s) for "
+            f"{world_size} worker(s), not one full batch; lower training.batch_size to at most "
+            f"{rows // world_size * world_size}, or give more data"
+        )
+
+
 def check_resume_from(cfg: Any) -> None:
     """An explicit ``checkpoint.resume_from`` must be a complete checkpoint (checked before Ray starts)."""
     if not cfg.checkpoint.resume_from:

@@ -47,9 +47,15 @@ def _write(out: Path, tables: dict[str, Any], meta: dict[str, Any], shards: int)
     return rows
 
 
-def _split(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+def _split(n: int, src: Path, what: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Row indices of train, val and test (70/15/15); too few rows for a row in each is one line."""
     perm = np.random.default_rng(seed).permutation(n)
     a, b = int(n * FRACTIONS[0]), int(n * (FRACTIONS[0] + FRACTIONS[1]))
+    if not 0 < a < b < n:
+        raise ConfigError(
+            f"data prepare: {src} gives {n} {what}: too few to split 70/15/15 into train, val and test "
+            "with one in each; give at least 4"
+        )
     return dict(zip(SPLITS, (perm[:a], perm[a:b], perm[b:])))
 
 
@@ -111,7 +117,8 @@ def csv(src: Path, out: Path, label: str = "label", shards: int = 4) -> dict[str
         "shape": [len(features)],
         "num_classes": int(pc.max(table[label]).as_py()) + 1,
     }
-    return _write(out, {s: table.take(idx) for s, idx in _split(table.num_rows).items()}, meta, shards)
+    splits = _split(table.num_rows, src, "row(s)")
+    return _write(out, {s: table.take(idx) for s, idx in splits.items()}, meta, shards)
 
 
 def text(src: Path, out: Path, seq_len: int = 128, shards: int = 4) -> dict[str, int]:
@@ -129,4 +136,5 @@ def text(src: Path, out: Path, seq_len: int = 128, shards: int = 4) -> dict[str,
     seqs = np.concatenate(chunks)
     table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(seqs.ravel()), seq_len + 1)})
     meta = {"kind": "tokens", "features": ["tokens"], "seq_len": seq_len, "vocab_size": 256}
-    return _write(out, {s: table.take(idx) for s, idx in _split(table.num_rows).items()}, meta, shards)
+    splits = _split(table.num_rows, src, f"sequence(s) of {seq_len + 1} bytes")
+    return _write(out, {s: table.take(idx) for s, idx in splits.items()}, meta, shards)

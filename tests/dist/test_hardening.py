@@ -163,6 +163,25 @@ def test_bad_input_to_data_prepare(tmp_path):
     (csvs / "a.csv").write_text("x,label\n1,0\n2,1\n")
     (csvs / "b.csv").write_text("x,label\nfoo,0\nbar,1\n")
     _bad("data", "prepare", "csv", str(csvs), "--out", str(tmp_path / "c"), needle="do not share one schema")
+    (tmp_path / "one.csv").write_text("x,label\n1,0\n2,1\n3,0\n")  # 3 rows: val would get none
+    _bad(
+        "data",
+        "prepare",
+        "csv",
+        str(tmp_path / "one.csv"),
+        "--out",
+        str(tmp_path / "c"),
+        needle="gives 3 row(s): too few to split 70/15/15 into train, val and test with one in each; give at least 4",
+    )
+    rows = "".join(f"{i},{i % 2}\n" for i in range(40))  # 28 training rows: less than the default batch of 64
+    (tmp_path / "forty.csv").write_text("x,label\n" + rows)
+    assert run_cli("data", "prepare", "csv", str(tmp_path / "forty.csv"), "--out", str(tmp_path / "f")).returncode == 0
+    proc = run_cli("train", "--set", "data.name=parquet", "--set", f"data.kwargs.path={tmp_path / 'f'}")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"rayjobs: error: training.batch_size: 64 rows a step, but {tmp_path / 'f'} holds 28 training row(s) for 2 "
+        "worker(s), not one full batch; lower training.batch_size to at most 28, or give more data"
+    ), proc.stderr[-2000:]
+    assert "RAY_IMPORTED=False" in proc.stdout
 
 
 @pytest.mark.slow
