@@ -296,10 +296,15 @@ def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | 
     """
     import logging
 
+    logging.getLogger("ray").setLevel(logging.WARNING)
+    if os.environ.get("RAY_ADDRESS"):
+        from rayjobs.launch import connect_cluster
+
+        ctx = connect_cluster(log_to_driver=False, logging_level=logging.WARNING)
     import ray
 
-    logging.getLogger("ray").setLevel(logging.WARNING)
-    ctx = ray.init(address=os.environ.get("RAY_ADDRESS") or None, log_to_driver=False, logging_level=logging.WARNING)
+    if not os.environ.get("RAY_ADDRESS"):  # a `ray start` cluster on this machine, else a local Ray of its own
+        ctx = ray.init(log_to_driver=False, logging_level=logging.WARNING)
     try:
         checks = run_checks(storage_path, tracking_uri, working_dir, getattr(ctx, "dashboard_url", "") or "")
     finally:

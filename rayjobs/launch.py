@@ -21,8 +21,62 @@ from rayjobs.plan import ScalingPlan
 
 def existing_cluster() -> bool:
     """True when this driver runs against a cluster (RAY_ADDRESS, or Ray already initialized)."""
+    return bool(os.environ.get("RAY_ADDRESS")) or ray_initialized()
+
+
+def ray_initialized() -> bool:
+    """Whether this process is connected to a Ray (without importing Ray to ask)."""
     ray = sys.modules.get("ray")  # never import Ray just to ask: bad input must not start it
-    return bool(os.environ.get("RAY_ADDRESS")) or bool(ray is not None and ray.is_initialized())
+    return bool(ray is not None and ray.is_initialized())
+
+
+def connect_cluster(**init_kwargs: Any) -> Any:
+    """``ray.init`` on the cluster in RAY_ADDRESS (returns its context). An address where no cluster
+    answers is one line at once: Ray itself retries it for minutes, or raises a traceback."""
+    address = os.environ["RAY_ADDRESS"]
+    check_ray_address(address)
+    # A `ray start` cluster turns token auth on when a token exists, but a driver sends its token
+    # only in token mode (without it Ray retries for 20 s, then "Failed to connect"); a cluster
+    # without auth accepts a token too.
+    if not os.environ.get("RAY_AUTH_MODE") and _auth_token_available():
+        os.environ["RAY_AUTH_MODE"] = "token"
+    import ray
+
+    try:
+        return ray.init(address=address, **init_kwargs)
+    except ConnectionError as exc:  # "auto" with no cluster on this machine, a GCS that went away, a wrong token
+        raise ConfigError(
+            f"RAY_ADDRESS={address}: {str(exc).splitlines()[0].rstrip('.')}; start the cluster (`rayjobs cluster up`, "
+            "`ray start --head`), give its token (RAY_AUTH_TOKEN) if it has one, or unset RAY_ADDRESS to run on a "
+            "local Ray"
+        ) from None
+
+
+def _auth_token_available() -> bool:
+    """Whether this driver has a Ray auth token: RAY_AUTH_TOKEN(_PATH), or Ray's default file."""
+    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.isfile(default))
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """RAY_ADDRESS must be a cluster's GCS address (host:port, or ray://host:port) that accepts a connection."""
+    if address.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"RAY_ADDRESS={address} is an HTTP address (the dashboard's, for `ray job submit --address`); "
+            "a driver connects to the cluster's GCS: RAY_ADDRESS=HOST:6379, or unset it to run on a local Ray"
+        )
+    if address in ("auto", "local"):
+        return  # Ray looks on this machine (a ConnectionError when there is nothing)
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"RAY_ADDRESS={address}: expected HOST:PORT, e.g. 127.0.0.1:6379")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"RAY_ADDRESS={address}: no Ray cluster answers there ({exc.strerror or exc}); start it "
+            "(`rayjobs cluster up`, `ray start --head`) or unset RAY_ADDRESS to run on a local Ray"
+        ) from None
 
 
 def local_gpu_count() -> int:
@@ -35,10 +89,10 @@ def local_gpu_count() -> int:
 def cluster_gpu_count() -> int:
     """GPUs in the cluster this driver will use (the running cluster's, else this machine's)."""
     if existing_cluster():
+        if not ray_initialized():
+            connect_cluster(log_to_driver=True)
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         return int(ray.cluster_resources().get("GPU", 0))
     return local_gpu_count()
 
@@ -122,12 +176,12 @@ def init_ray(plan: ScalingPlan, streaming: bool = False, driver_cpus: float = 0.
     ``map_batches`` tasks: a local Ray gets one more; on a running cluster a warning says so.
     ``driver_cpus`` is what a driver actor reserves beside its workers (a Tune trial's).
     """
-    import ray
-
     cpus_needed = plan.num_workers * plan.cpus_per_worker + driver_cpus
-    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
-        if not ray.is_initialized():
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+    if existing_cluster():
+        if not ray_initialized():
+            connect_cluster(log_to_driver=True)
+        import ray
+
         cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
         if cluster_cpus < cpus_needed:
             log.alert(

@@ -98,14 +98,15 @@ def predict(
         raise ConfigError(f"predict: --out {out} is not empty; give a new directory")
     (_check_tokens if info.kind == "tokens" else _check_width)(files[0], fmt, features, info)
     check_writable_dir(out, "predict: --out")
+    from rayjobs.launch import connect_cluster, ray_initialized, start_local_ray
+
+    if not ray_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            connect_cluster(log_to_driver=False)
+        else:
+            start_local_ray(num_cpus=os.cpu_count() or 1, log_to_driver=False)
     import ray
 
-    if os.environ.get("RAY_ADDRESS") and not ray.is_initialized():
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    elif not ray.is_initialized():
-        from rayjobs.launch import start_local_ray
-
-        start_local_ray(num_cpus=os.cpu_count() or 1, log_to_driver=False)
     gpus = int(ray.cluster_resources().get("GPU", 0))
     ray.data.DataContext.get_current().enable_progress_bars = False
     rows = ray.data.read_parquet(files) if fmt == "parquet" else ray.data.read_csv(files)

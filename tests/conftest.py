@@ -127,11 +127,11 @@ CLI_PROBE = (
 )
 
 
-def run_cli(*args: str, timeout: float = 60, cwd: Path | str | None = None):
+def run_cli(*args: str, timeout: float = 60, cwd: Path | str | None = None, env: dict[str, str] | None = None):
     """``rayjobs ARGS`` in a subprocess; its stdout ends with ``RAY_IMPORTED=True|False``.
 
     It runs in a fresh directory of its own (a user's, not the repo: the default `results/` of two
-    tests running at once must not be one run directory), or in ``cwd``."""
+    tests running at once must not be one run directory), or in ``cwd``; ``env`` adds variables."""
     import subprocess
     import tempfile
 
@@ -140,7 +140,7 @@ def run_cli(*args: str, timeout: float = 60, cwd: Path | str | None = None):
         return subprocess.run(
             [sys.executable, "-c", CLI_PROBE, *args],
             cwd=cwd or own_dir,
-            env=subprocess_env(),
+            env=subprocess_env(**(env or {})),
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -203,3 +204,15 @@ def test_search_driver_killed_then_resume_finishes_every_trial_once(ray_head, tm
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
     assert len(children) == 2 and len({r.data.tags["rayjobs.run_key"] for r in children}) == 2
     assert len(runs) == 3
+
+
+def test_a_driver_with_the_token_but_no_auth_mode_connects(ray_head, tmp_path):
+    """A `ray start` head turns token auth on when a token exists, but a driver sends its token only in
+    token mode: `RAY_ADDRESS=HOST:PORT rayjobs ...` waited 20 s, then died in a ConnectionError traceback."""
+    env = {k: v for k, v in ray_head.env.items() if k != "RAY_AUTH_MODE"}
+    env["RAY_ADDRESS"] = f"127.0.0.1:{ray_head.gcs_port}"
+    proc = subprocess.run(
+        [f"{VENV_BIN}/rayjobs", "doctor"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert re.search(r"^nodes\s+ok\s+1 alive", proc.stdout, re.M), proc.stdout + proc.stderr[-3000:]

@@ -179,3 +179,25 @@ def test_the_readme_uses_paths_that_exist():
     for name in ("rayjobs/configs/digits.yaml", "cluster/README.md", "benchmarks/gpu_check.sh"):
         if name in readme:
             assert Path(REPO, name).exists(), name
+
+
+@pytest.mark.parametrize(
+    "command, address, expected",
+    [
+        (
+            ["train"],
+            "127.0.0.1:1",
+            "RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there (Connection refused); start it",
+        ),
+        (["tune", "--config", "tune-digits"], "127.0.0.1:1", "RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there"),
+        (["doctor"], "127.0.0.1:1", "RAY_ADDRESS=127.0.0.1:1: no Ray cluster answers there"),
+        (["train"], "http://127.0.0.1:8265", "RAY_ADDRESS=http://127.0.0.1:8265 is an HTTP address (the dashboard's"),
+        (["train"], "headnode", "RAY_ADDRESS=headnode: expected HOST:PORT, e.g. 127.0.0.1:6379"),
+    ],
+)
+def test_a_ray_address_where_no_cluster_answers_is_one_line_at_once(command, address, expected):
+    """Ray retries a dead GCS address for minutes (a user's run hung with the cluster down) and
+    raises a traceback for a dashboard URL: both are one line within seconds (the timeout fails it)."""
+    proc = run_cli(*command, env={"RAY_ADDRESS": address}, timeout=30)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"rayjobs: error: {expected}"), lines
