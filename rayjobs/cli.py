@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from rayjobs import log, preflight
-from rayjobs.errors import ConfigError, TrainingFailed
+from rayjobs.errors import ConfigError, Interrupted, TrainingFailed
 from rayjobs.storage.bucket import StoreError
 
 
@@ -249,6 +249,10 @@ def main(argv: list[str] | None = None) -> None:
             traceback.print_exception(exc.__cause__, file=sys.stderr)
         print(f"rayjobs: training failed: {exc}", file=sys.stderr)
         sys.exit(1)
+    except Interrupted as exc:
+        _end_ray_log_streaming()
+        print(f"rayjobs: {exc}", file=sys.stderr)
+        sys.exit(130)
     except KeyboardInterrupt:
         print("rayjobs: interrupted", file=sys.stderr)
         sys.exit(130)

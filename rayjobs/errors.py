@@ -15,6 +15,10 @@ class TrainingFailed(Exception):
     """The training itself failed (exit status 1), as opposed to a bad config (status 2)."""
 
 
+class Interrupted(Exception):
+    """The user stopped the run (Ctrl-C): exit status 130, with the checkpoint the same command resumes from."""
+
+
 class ExplainedFailure(RuntimeError):
     """A failure during training whose message already says what happened and what to try
     (an out-of-memory, unlike devices): shown as one line, without a traceback."""

@@ -21,7 +21,7 @@ from typing import Any
 
 from rayjobs import launch, log, paths, preflight, storage, timeline
 from rayjobs.config import RunConfig
-from rayjobs.errors import ConfigError, ExplainedFailure, TrainingFailed
+from rayjobs.errors import ConfigError, ExplainedFailure, Interrupted, TrainingFailed
 from rayjobs.lease import Lease
 from rayjobs.plan import LaunchPlan, ScalingPlan, StreamPlan, TrackingPlan
 from rayjobs.rundir import RunDir
@@ -147,6 +147,14 @@ def _run(
     plan = launch_plan(prep, mlflow_run_id, stop_at_step, exploit, marks)
     try:
         result = fit(prep, plan, callbacks)
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C: Ray Train aborts the workers, then its ray.get exits
+        finish_tracking(cfg, mlflow_run_id, None, failed=True, status="KILLED")
+        newest = newest_good_checkpoint(prep)
+        raise Interrupted(
+            f"interrupted; newest checkpoint {newest}: the same command resumes from it"
+            if newest
+            else "interrupted before the first checkpoint: the same command starts over"
+        ) from None
     except Exception as exc:  # TrainingFailedError and friends: the training itself failed
         finish_tracking(cfg, mlflow_run_id, None, failed=True)
         if _explained(exc):  # its message says it all: no traceback
@@ -208,15 +216,19 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
     return result
 
 
-def nan_failure(prep: Prepared, ended: dict[str, Any]) -> str:
-    """The one line of a run every rank stopped on a non-finite loss, with its last good checkpoint."""
+def newest_good_checkpoint(prep: Prepared) -> str | None:
+    """The run's newest complete checkpoint (in its bucket, with an object store), or None."""
     from rayjobs.checkpoint import latest_complete, list_bucket_checkpoints
 
     if prep.store is not None:
-        good_path = next((c.path for c in reversed(list_bucket_checkpoints(prep.store)) if c.complete), None)
-    else:
-        good = latest_complete(prep.cfg.run_dir, warn=False)
-        good_path = good.path if good else None
+        return next((str(c.path) for c in reversed(list_bucket_checkpoints(prep.store)) if c.complete), None)
+    good = latest_complete(prep.cfg.run_dir, warn=False)
+    return str(good.path) if good else None
+
+
+def nan_failure(prep: Prepared, ended: dict[str, Any]) -> str:
+    """The one line of a run every rank stopped on a non-finite loss, with its last good checkpoint."""
+    good_path = newest_good_checkpoint(prep)
     ranks = ", ".join(map(str, ended["ranks"]))
     return (
         f"non-finite loss at step {ended['step']} on rank(s) {ranks}; every rank "
@@ -333,8 +345,10 @@ def finish_tracking(
     failed: bool = False,
     wait_s: float = 90.0,
     final: bool = True,
+    status: str = "FAILED",
 ) -> str | None:
-    """Replay anything spooled, log the end-of-run artifacts and model, end the MLflow run.
+    """Replay anything spooled, log the end-of-run artifacts and model, end the MLflow run
+    (``failed``: ended with ``status``, FAILED or KILLED).
 
     An outage during the run is waited out for ``wait_s``; a server never reached (no run opened at
     the start, e.g. a mistyped ``tracking.uri``) is tried once: the spool keeps the metrics.
@@ -350,7 +364,7 @@ def finish_tracking(
             if replay and not tracking.MetricsLogger(cfg, run_id, cfg.run_dir, spool).close(30):
                 raise ConnectionError("spool not replayed")
             if failed:
-                tracker.fail(run_id)
+                tracker.end(run_id, status)
             elif final:
                 tracker.finish(run_id, summary or {}, RunDir(cfg.run_dir).read_history())
             return run_id

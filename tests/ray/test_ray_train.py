@@ -175,3 +175,33 @@ START_AND_WAIT = (
     "print('started', flush=True)\n"
     "time.sleep(600)\n"
 )
+
+
+def test_ctrl_c_ends_the_run_killed_and_says_where_it_resumes(tmp_path):
+    """Ctrl-C in `rayjobs train`: Ray Train aborts the workers, then its ray.get raised SystemExit(1) out
+    of fit(): exit 1 and not a word. Now: exit 130, the newest checkpoint named, the MLflow run KILLED."""
+    import signal
+    import time
+
+    from conftest import VENV_BIN
+
+    cmd = [f"{VENV_BIN}/rayjobs", "train", "--set", "run.name=intr", "--set", "checkpoint.every_steps=10"]
+    cmd += ["--set", "training.epochs=40"]  # far longer than the test waits
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = tmp_path / "results" / "intr" / "checkpoint_00000010" / "manifest.json"
+    deadline = time.monotonic() + 180
+    while not first.is_file() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130, (proc.returncode, err.decode()[-3000:])
+    assert lines[-1].startswith(f"rayjobs: interrupted; newest checkpoint {tmp_path}/results/intr/checkpoint_0000")
+    assert lines[-1].endswith(": the same command resumes from it"), lines[-1]
+    assert "Traceback" not in err.decode()
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [r.info.status for r in runs] == ["KILLED"]
