@@ -123,6 +123,18 @@ class Tracker:
     def open(self, run_key: str, tags: dict[str, str] | None = None, run_name: str | None = None) -> str:
         """The run whose tag ``rayjobs.run_key`` is ``run_key`` (set RUNNING again), or a new one."""
         c = self.client
+        run_id = self.find(run_key)
+        if run_id:
+            c.update_run(run_id, status="RUNNING")
+            return run_id
+        digest = hashlib.sha256(run_key.encode()).hexdigest()[:32]
+        all_tags = {RUN_KEY_TAG: run_key, RUN_KEY_DIGEST_TAG: digest, **(tags or {})}
+        name = run_name or self.cfg.tracking.run_name or self.cfg.run.name
+        return c.create_run(self._experiment_id(), run_name=name, tags=all_tags).info.run_id
+
+    def find(self, run_key: str) -> str | None:
+        """The id of the run whose tag ``rayjobs.run_key`` is ``run_key``, its status untouched; None if none."""
+        c = self.client
         exp_id = self._experiment_id()
         digest = hashlib.sha256(run_key.encode()).hexdigest()[:32]
         # Searched by a digest (no quote can break the filter, whatever the run's name); runs made before
@@ -130,13 +142,7 @@ class Tracker:
         found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_DIGEST_TAG}` = '{digest}'", max_results=1)
         if not found and "'" not in run_key:
             found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{run_key}'", max_results=1)
-        if found:
-            run_id = found[0].info.run_id
-            c.update_run(run_id, status="RUNNING")
-            return run_id
-        all_tags = {RUN_KEY_TAG: run_key, RUN_KEY_DIGEST_TAG: digest, **(tags or {})}
-        name = run_name or self.cfg.tracking.run_name or self.cfg.run.name
-        return c.create_run(exp_id, run_name=name, tags=all_tags).info.run_id
+        return found[0].info.run_id if found else None
 
     def child(self, run_key: str, parent_run_id: str, tags: dict[str, str] | None = None) -> str:
         """A run nested under ``parent_run_id`` (a Tune trial under its search)."""

@@ -11,18 +11,22 @@ parent run for the search, one child run per trial (``mlflow.parentRunId``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from rayjobs import log
 from rayjobs.config import SPACE_KINDS, RunConfig, from_dict, set_by_path
-from rayjobs.errors import ConfigError, TrainingFailed
+from rayjobs.errors import ConfigError, Interrupted, TrainingFailed
 from rayjobs.plan import ScalingPlan
 from rayjobs.rundir import RunDir
 
@@ -286,7 +290,6 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     from ray import tune
 
     from rayjobs import launch
-    from rayjobs.tune_progress import ProgressTable
 
     started = time.time()
     plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
@@ -302,37 +305,18 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         base["tracking"]["uri"] = tracking_uri(cfg)
     trial_resources = _trial_resources(cfg)
     trainable = tune.with_resources(tune.with_parameters(trial_driver, base=base, layout=layout), trial_resources)
-    if resume:
-        if not tune.Tuner.can_restore(layout["experiment_dir"]):
-            raise ConfigError(f"--resume: {layout['experiment_dir']} holds no restorable Tune experiment")
-        tuner = tune.Tuner.restore(
-            layout["experiment_dir"], trainable=trainable, resume_unfinished=True, resume_errored=True
-        )
-    else:
-        tuner = tune.Tuner(
-            trainable,
-            param_space={path: tune_domain(spec) for path, spec in cfg.tune.space.items()},
-            tune_config=tune.TuneConfig(
-                metric=cfg.tune.metric,
-                mode=cfg.tune.mode,
-                num_samples=cfg.tune.num_samples,
-                search_alg=_search_alg(cfg, _max_concurrent(cfg, plan, trial_resources)),
-                scheduler=_scheduler(cfg, steps, layout),
-                time_budget_s=cfg.tune.time_budget_s or None,
-            ),
-            run_config=tune.RunConfig(
-                name=layout["name"],
-                storage_path=cfg.storage_path,
-                verbose=0,
-                # A trial whose Train run failed (a controller that died, a lost node) is retried:
-                # it resumes from its own checkpoints, so a retry costs only the lost steps.
-                failure_config=tune.FailureConfig(max_failures=cfg.tune.max_failures),
-                callbacks=[ProgressTable(cfg.tune.metric, cfg.tune.mode, list(cfg.tune.space))],
-            ),
-        )
+    tuner = _tuner(cfg, layout, trainable, _max_concurrent(cfg, plan, trial_resources), steps, resume)
     before = _live_placement_groups()
-    results = tuner.fit()
-    summary = _summarize(cfg, layout, results, steps, started)
+    with _ctrl_c_stops_tune() as interrupted:
+        results = tuner.fit()
+    summary = _summarize(cfg, layout, results, steps, started, interrupted.is_set())
+    if interrupted.is_set():
+        if cfg.tracking.enabled and parent:
+            _end_interrupted(cfg, layout, summary)
+        raise Interrupted(
+            f"search {layout['name']} interrupted; its state is saved in {layout['experiment_dir']}: the same "
+            "command with --resume continues it"
+        )
     errors = [r.error for r in results if r.error is not None]
     if summary["trials"] and len(errors) == len(summary["trials"]):
         first = str(errors[0]).strip().splitlines()
@@ -345,6 +329,85 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     if summary.get("failed"):
         raise TrainingFailed(f"search {layout['name']}: {summary['failed']}")
     return summary
+
+
+def _tuner(
+    cfg: RunConfig, layout: dict[str, Any], trainable: Any, max_concurrent: int, steps: int, resume: bool
+) -> Any:
+    """A new ``Tuner`` for the search, or the saved one restored (``--resume``: unfinished and errored trials go on)."""
+    from ray import tune
+
+    from rayjobs.tune_progress import ProgressTable
+
+    if resume:
+        if not tune.Tuner.can_restore(layout["experiment_dir"]):
+            raise ConfigError(f"--resume: {layout['experiment_dir']} holds no restorable Tune experiment")
+        return tune.Tuner.restore(
+            layout["experiment_dir"], trainable=trainable, resume_unfinished=True, resume_errored=True
+        )
+    return tune.Tuner(
+        trainable,
+        param_space={path: tune_domain(spec) for path, spec in cfg.tune.space.items()},
+        tune_config=tune.TuneConfig(
+            metric=cfg.tune.metric,
+            mode=cfg.tune.mode,
+            num_samples=cfg.tune.num_samples,
+            search_alg=_search_alg(cfg, max_concurrent),
+            scheduler=_scheduler(cfg, steps, layout),
+            time_budget_s=cfg.tune.time_budget_s or None,
+        ),
+        run_config=tune.RunConfig(
+            name=layout["name"],
+            storage_path=cfg.storage_path,
+            verbose=0,
+            # A trial whose Train run failed (a controller that died, a lost node) is retried:
+            # it resumes from its own checkpoints, so a retry costs only the lost steps.
+            failure_config=tune.FailureConfig(max_failures=cfg.tune.max_failures),
+            callbacks=[ProgressTable(cfg.tune.metric, cfg.tune.mode, list(cfg.tune.space))],
+        ),
+    )
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops_tune() -> Iterator[threading.Event]:
+    """Ctrl-C during ``Tuner.fit``: Tune's own graceful stop (the experiment state saved once more,
+    which SIGUSR1 asks for too), and an event set that the driver reads after ``fit`` returns; Tune's
+    SIGINT handler would stop it the same way but leave no trace of why it stopped."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
+        yield interrupted
+        return
+
+    def on_ctrl_c(signum: int, frame: Any) -> None:
+        if interrupted.is_set():  # a second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        interrupted.set()
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous_handler, previous_env = signal.signal(signal.SIGINT, on_ctrl_c), os.environ.get(TUNE_SIGINT_VARIABLE)
+    os.environ[TUNE_SIGINT_VARIABLE] = "1"
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        if previous_env is None:
+            os.environ.pop(TUNE_SIGINT_VARIABLE, None)
+        else:
+            os.environ[TUNE_SIGINT_VARIABLE] = previous_env
+
+
+TUNE_SIGINT_VARIABLE = "TUNE_DISABLE_SIGINT_HANDLER"  # Tune then leaves SIGINT to us (SIGUSR1 stays its)
+
+
+def _end_interrupted(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, Any]) -> None:
+    """An interrupted search's MLflow runs: the unfinished trials and the parent end KILLED (resumable)."""
+    from rayjobs import tracking
+
+    tracker = tracking.Tracker(cfg)
+    for t in summary["trials"]:
+        if t["mlflow_run_id"] and tracker.client.get_run(t["mlflow_run_id"]).info.status == "RUNNING":
+            tracker.end(t["mlflow_run_id"], "KILLED")
+    tracker.end(layout["parent_run_id"], "KILLED")
 
 
 def _live_placement_groups() -> set[str]:
@@ -457,7 +520,9 @@ def _start_parent(cfg: RunConfig, layout: dict[str, Any]) -> str | None:
         return None
 
 
-def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int, started: float) -> dict[str, Any]:
+def _summarize(
+    cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int, started: float, interrupted: bool = False
+) -> dict[str, Any]:
     from rayjobs import tracking
 
     trials = []
@@ -470,10 +535,12 @@ def _summarize(cfg: RunConfig, layout: dict[str, Any], results: Any, steps: int,
         exploits = RunDir(run_dir).read_exploits()
         last_step = int(metrics.get("step", 0))
         status = "error" if r.error else ("done" if last_step >= steps else "stopped early")
+        if interrupted and status == "stopped early":
+            status = "interrupted"
         run_id = None
         if cfg.tracking.enabled:
             try:
-                run_id = tracking.Tracker(cfg).open(run_dir) if os.path.isdir(run_dir) else None
+                run_id = tracking.Tracker(cfg).find(run_dir) if os.path.isdir(run_dir) else None
             except Exception:  # noqa: BLE001
                 run_id = None
         history = RunDir(run_dir).read_history()

@@ -141,6 +141,9 @@ def test_asha_search_on_digits_with_mlflow_parent_and_children(ray_cluster, mlfl
     assert len(parents) == 1 and len(children) == 4 and len(runs) == 5
     assert all(r.data.tags["mlflow.parentRunId"] == parents[0].info.run_id for r in children)
     assert sum(r.data.tags.get("rayjobs.best") == "true" for r in children) == 1
+    # A trial that ran to the end is FINISHED (the summary used to reopen it, and the parent then ended it FAILED).
+    ends = {"done": "FINISHED", "stopped early": "KILLED"}
+    assert sorted(r.info.status for r in children) == sorted(ends[t["status"]] for t in trials)
     assert {a.path for a in c.list_artifacts(parents[0].info.run_id)} >= {
         "hyperparameters_vs_metric.png",
         "learning_curves.png",
@@ -203,3 +206,41 @@ def test_a_search_whose_trials_all_fail_ends_its_parent_run_failed(ray_cluster, 
     c = client(tracking_uri(cfg))
     (parent,) = c.search_runs([c.get_experiment_by_name("rayjobs").experiment_id], "tags.`rayjobs.kind` = 'tune'")
     assert parent.info.status == "FAILED" and parent.data.tags["rayjobs.failure"].startswith("all 2 trials failed")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_ctrl_c_ends_a_search_killed_and_resumable(tmp_path):
+    """Ctrl-C in `rayjobs tune`: Tune stopped, and the driver went on to print "finished", its trials
+    "stopped early", the parent run FINISHED and exit 0. Now: one line saying how to resume, exit 130,
+    the parent and unfinished trials KILLED, and the experiment restorable."""
+    import signal
+    import time
+
+    from conftest import VENV_BIN, subprocess_env
+
+    cmd = [f"{VENV_BIN}/rayjobs", "tune", "--config", "tune-digits", "--set", "tune.name=intr"]
+    cmd += ["--set", "tune.num_samples=2", "--set", "training.epochs=30"]  # far longer than the test waits
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    trials = tmp_path / "results" / "intr-trials"
+    deadline = time.monotonic() + 240
+    while not list(trials.glob("*/checkpoint_*/manifest.json")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no trial checkpoint within 240 s"
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=180)
+    lines = err.decode().strip().splitlines()
+    assert proc.returncode == 130, (proc.returncode, err.decode()[-3000:])
+    assert lines[-1] == (
+        f"rayjobs: search intr interrupted; its state is saved in {tmp_path}/results/intr: the same command "
+        "with --resume continues it"
+    )
+
+    from mlflow.tracking import MlflowClient
+    from ray.tune import Tuner
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    parent = [r for r in runs if r.data.tags.get("rayjobs.kind") == "tune"]
+    assert [r.info.status for r in parent] == ["KILLED"] and "RUNNING" not in {r.info.status for r in runs}
+    assert Tuner.can_restore(str(tmp_path / "results" / "intr"))
