@@ -254,10 +254,9 @@ def working_dir_check(working_dir: str) -> Check:
 def token_check(dashboard_url: str = "") -> Check:
     """Ray's token auth: on for this client, and enforced: the Jobs API refuses a request without the token."""
     mode = os.environ.get("RAY_AUTH_MODE", "")
-    has_token = (
-        bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"))
-        or Path("~/.ray/auth_token").expanduser().is_file()
-    )
+    from rayjobs.launch import auth_token_available
+
+    has_token = auth_token_available()
     if mode == "disabled":
         return Check(
             "token auth", FAIL, "RAY_AUTH_MODE=disabled: anyone who reaches Ray's ports can run code; unset it"
@@ -301,10 +300,12 @@ def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | 
         from rayjobs.launch import connect_cluster
 
         ctx = connect_cluster(log_to_driver=False, logging_level=logging.WARNING)
+    else:  # a `ray start` cluster on this machine, else a local Ray of its own
+        import ray
+
+        ctx = ray.init(log_to_driver=False, logging_level=logging.WARNING)
     import ray
 
-    if not os.environ.get("RAY_ADDRESS"):  # a `ray start` cluster on this machine, else a local Ray of its own
-        ctx = ray.init(log_to_driver=False, logging_level=logging.WARNING)
     try:
         checks = run_checks(storage_path, tracking_uri, working_dir, getattr(ctx, "dashboard_url", "") or "")
     finally:

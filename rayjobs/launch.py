@@ -38,7 +38,7 @@ def connect_cluster(**init_kwargs: Any) -> Any:
     # A `ray start` cluster turns token auth on when a token exists, but a driver sends its token
     # only in token mode (without it Ray retries for 20 s, then "Failed to connect"); a cluster
     # without auth accepts a token too.
-    if not os.environ.get("RAY_AUTH_MODE") and _auth_token_available():
+    if not os.environ.get("RAY_AUTH_MODE") and auth_token_available():
         os.environ["RAY_AUTH_MODE"] = "token"
     import ray
 
@@ -52,10 +52,11 @@ def connect_cluster(**init_kwargs: Any) -> Any:
         ) from None
 
 
-def _auth_token_available() -> bool:
+def auth_token_available() -> bool:
     """Whether this driver has a Ray auth token: RAY_AUTH_TOKEN(_PATH), or Ray's default file."""
-    default = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
-    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.isfile(default))
+    from rayjobs.cluster import TOKEN_FILE
+
+    return bool(os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH") or TOKEN_FILE.is_file())
 
 
 def check_ray_address(address: str, timeout_s: float = 5.0) -> None:

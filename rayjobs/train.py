@@ -353,6 +353,8 @@ def finish_tracking(
     An outage during the run is waited out for ``wait_s``; a server never reached (no run opened at
     the start, e.g. a mistyped ``tracking.uri``) is tried once: the spool keeps the metrics.
     """
+    if not cfg.tracking.enabled:  # a failed or interrupted run without tracking opens no MLflow run
+        return None
     from rayjobs import tracking
 
     spool, tracker = RunDir(cfg.run_dir).spool, tracking.Tracker(cfg)
