@@ -405,7 +405,11 @@ def _end_interrupted(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, 
 
     tracker = tracking.Tracker(cfg)
     for t in summary["trials"]:
-        if t["mlflow_run_id"] and tracker.client.get_run(t["mlflow_run_id"]).info.status == "RUNNING":
+        if not t["mlflow_run_id"]:
+            continue
+        status = tracker.client.get_run(t["mlflow_run_id"]).info.status
+        # A trial torn down by the interrupt may have ended its own run FAILED on the way out.
+        if status == "RUNNING" or (status == "FAILED" and t["status"] != "error"):
             tracker.end(t["mlflow_run_id"], "KILLED")
     tracker.end(layout["parent_run_id"], "KILLED")
 
@@ -604,9 +608,13 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
     for t in summary["trials"]:
         if not t["mlflow_run_id"]:
             continue
-        run = c.get_run(t["mlflow_run_id"])
-        if run.info.status == "RUNNING":
-            tracker.end(t["mlflow_run_id"], "KILLED" if t["status"] == "stopped early" else "FAILED")
+        status = c.get_run(t["mlflow_run_id"]).info.status
+        # Tune's word on a trial is final: a trial it stopped early may have ended its own run FAILED
+        # as it was torn down (its Train run raised on the way out); that run ends KILLED.
+        if t["status"] == "stopped early" and status != "KILLED":
+            tracker.end(t["mlflow_run_id"], "KILLED")
+        elif status == "RUNNING":
+            tracker.end(t["mlflow_run_id"], "FAILED")
         tracker.tag(t["mlflow_run_id"], "rayjobs.tune.status", t["status"])
         if t["id"] == summary["best_trial"]:
             tracker.tag(t["mlflow_run_id"], "rayjobs.best", "true")
@@ -675,7 +683,8 @@ def draw_search_plots(summary: dict[str, Any], metric: str, out_dir: Path) -> No
             ax.plot(*zip(*pts), marker=".", label=f"{t['id']} ({t['status']})")
     ax.set_xlabel("step")
     ax.set_ylabel(metric)
-    ax.legend(fontsize=7)
+    if ax.get_lines():  # no trial reported the metric yet: an empty chart, no legend to warn about
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out_dir / "learning_curves.png", dpi=90)
     plt.close(fig)

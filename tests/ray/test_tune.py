@@ -102,6 +102,45 @@ def test_shipped_search_space_is_valid():
     assert tune.space_problems(load_config(TUNE)) == []
 
 
+def _search_with_children(tmp_path, left: dict[str, str]):
+    """A search's parent run and one child per trial, each left in the MLflow status given."""
+    from rayjobs import tracking
+
+    cfg = load_config(TUNE, [f"run.storage_path={tmp_path}", f"tracking.uri=sqlite:///{tmp_path}/m.db"])
+    tracker = tracking.Tracker(cfg)
+    layout = tune.layout_for(cfg)
+    layout["parent_run_id"] = tracker.open(layout["experiment_dir"], {"rayjobs.kind": "tune"})
+    runs = {}
+    for trial_id, status in left.items():
+        runs[trial_id] = tracker.child(str(tmp_path / trial_id), layout["parent_run_id"])
+        if status != "RUNNING":
+            tracker.end(runs[trial_id], status)
+    return cfg, layout, runs, tracker.client
+
+
+def _trial(trial_id: str, status: str, run_id: str) -> dict:
+    return {"id": trial_id, "status": status, "mlflow_run_id": run_id, "config": {}, "metrics": {}, "exploits": [],
+            "steps": 10, "history": []}  # fmt: skip
+
+
+def test_tunes_verdict_on_a_trial_decides_how_its_mlflow_run_ends(tmp_path):
+    """A trial ASHA stopped can end its own run FAILED while Tune tears it down (CI saw it): it ends KILLED."""
+    cfg, layout, runs, c = _search_with_children(tmp_path, {"a": "FINISHED", "b": "FAILED", "c": "RUNNING"})
+    trials = [_trial("a", "done", runs["a"]), _trial("b", "stopped early", runs["b"]), _trial("c", "done", runs["c"])]
+    tune._finish_parent(cfg, layout, {"trials": trials, "best_trial": "a", "best_metrics": {}, "best_config": {}})
+    assert [c.get_run(runs[t]).info.status for t in "abc"] == ["FINISHED", "KILLED", "FAILED"]
+    assert c.get_run(layout["parent_run_id"]).info.status == "FINISHED"
+
+
+def test_an_interrupted_search_ends_its_unfinished_trials_killed_and_keeps_real_failures(tmp_path):
+    left = {"a": "FINISHED", "b": "FAILED", "c": "RUNNING", "d": "FAILED"}
+    cfg, layout, runs, c = _search_with_children(tmp_path, left)
+    statuses = {"a": "done", "b": "interrupted", "c": "interrupted", "d": "error"}
+    tune._end_interrupted(cfg, layout, {"trials": [_trial(t, s, runs[t]) for t, s in statuses.items()]})
+    assert [c.get_run(runs[t]).info.status for t in "abcd"] == ["FINISHED", "KILLED", "KILLED", "FAILED"]
+    assert c.get_run(layout["parent_run_id"]).info.status == "KILLED"
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_asha_search_on_digits_with_mlflow_parent_and_children(ray_cluster, mlflow_server, tmp_path):
