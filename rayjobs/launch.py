@@ -218,6 +218,7 @@ def local_ray_cpus(cpus_needed: float) -> int:
 
 
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # ray.init reads it as it starts a head's GCS
+PREEMPTION_WATCHER_VARIABLE = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # read by the Train controller
 
 
 def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:
@@ -234,6 +235,10 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
 
     port = _free_port()
     env = {**(env_vars or {}), "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    # Ray Train watches for node drains (spot preemption) with an actor per run; a local Ray's one
+    # node is this machine, which no autoscaler drains. The actor costs a process start, and Ray
+    # prints an error-level line about its restart policy on every run.
+    env.setdefault(PREEMPTION_WATCHER_VARIABLE, os.environ.get(PREEMPTION_WATCHER_VARIABLE, "0"))
     previous = os.environ.get(GCS_PORT_VARIABLE)
     os.environ[GCS_PORT_VARIABLE] = str(port)
     try:
