@@ -109,7 +109,7 @@ def _checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint",
         metavar="CHECKPOINT",
-        help="a checkpoint directory, a run directory (its newest complete checkpoint), runs:/RUN_ID or models:/NAME/VERSION|@ALIAS",
+        help="a checkpoint directory, a run directory (its newest complete checkpoint), runs:/RUN_ID or models:/NAME/VERSION|latest|@ALIAS",
     )
     parser.add_argument(
         "--tracking-uri",

@@ -90,7 +90,7 @@ class ModelSection(Section):
     init_from: str = Field(
         "",
         description="Warm start: the weights (only: a fresh optimizer, step 0) of a checkpoint PATH, runs:/RUN_ID "
-        "or models:/NAME/VERSION|@ALIAS; a run's own checkpoints take precedence when it restarts.",
+        "or models:/NAME/VERSION|latest|@ALIAS; a run's own checkpoints take precedence when it restarts.",
     )
 
     @model_validator(mode="after")

@@ -143,7 +143,7 @@ def check_own_checkpoints(cfg: Any, store: Any) -> None:
 
 def check_init_from(cfg: Any) -> str:
     """``model.init_from`` as a local checkpoint directory of the same model (checked before Ray starts):
-    a path, ``runs:/RUN_ID`` (the checkpoint its model was logged from) or ``models:/NAME/VERSION|@ALIAS``."""
+    a path, ``runs:/RUN_ID`` (the checkpoint its model was logged from) or ``models:/NAME/VERSION|latest|@ALIAS``."""
     source = cfg.model.init_from
     if not source:
         return ""
@@ -176,7 +176,7 @@ MLFLOW_SOURCES = ("runs:/", "models:/")
 
 
 def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
-    """The checkpoint directory that ``runs:/RUN_ID`` or ``models:/NAME/VERSION|@ALIAS`` was logged from
+    """The checkpoint directory that ``runs:/RUN_ID`` or ``models:/NAME/VERSION|latest|@ALIAS`` was logged from
     (its run's ``rayjobs.model_checkpoint`` tag) in the MLflow store at ``uri``; ``what`` names the
     argument in the one-line error."""
     from mlflow import MlflowClient
@@ -191,16 +191,33 @@ def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
             if "@" in name:
                 name, alias = name.split("@", 1)
                 run_id = client.get_model_version_by_alias(name, alias).run_id
+            elif version in ("", "latest"):
+                run_id = _latest_model_version(client, name).run_id
+            elif not version.isdigit():
+                raise ConfigError(
+                    f"{what}: {source}: a model version is a number or 'latest' (stages are gone in MLflow 3); "
+                    f"for an alias write models:/{name}@ALIAS"
+                )
             else:
-                run_id = client.get_model_version(name, version or "1").run_id
+                run_id = client.get_model_version(name, version).run_id
         else:
             run_id = source.removeprefix("runs:/").split("/", 1)[0]
         tags = client.get_run(run_id).data.tags
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - an unknown name, version or run is the user's to fix
         raise ConfigError(f"{what}: {source} not found in {uri}: {first_line(exc)}") from None
     if MODEL_CHECKPOINT_TAG not in tags:
         raise ConfigError(f"{what}: MLflow run {run_id} ({source}) logged no rayjobs checkpoint")
     return tags[MODEL_CHECKPOINT_TAG]
+
+
+def _latest_model_version(client: Any, name: str) -> Any:
+    """The registered model's highest version (``models:/NAME/latest``, or ``models:/NAME``)."""
+    versions = client.search_model_versions(f"name = '{name}'") if "'" not in name else []
+    if not versions:
+        raise LookupError(f"no registered model named {name!r} (or it has no version)")
+    return max(versions, key=lambda v: int(v.version))
 
 
 def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:

@@ -275,7 +275,11 @@ def test_regression_metrics_over_two_ranks_equal_one_process(tmp_path):
     one = stepping.evaluate(model, diabetes().val, cfg, CPU, "val", task=tasks.Regression())
     assert set(one) == {"val/loss", "val/mse", "val/mae", "val/r2"}
     # A user's task whose metrics are torchmetrics objects: torchmetrics syncs them over the ranks.
-    one.update(stepping.evaluate(model, diabetes().val, cfg, CPU, "tm", task=tasks.build_task("user_model:metric_objects_task")))
+    one.update(
+        stepping.evaluate(
+            model, diabetes().val, cfg, CPU, "tm", task=tasks.build_task("user_model:metric_objects_task")
+        )
+    )
     two = json.loads((tmp_path / "two.json").read_text())
     assert two == pytest.approx(one, rel=1e-6)  # float32 batch sums, other batch sizes
     assert {k: one[f"tm/{k}"] for k in ("loss", "r2", "mae")} == pytest.approx(
@@ -341,12 +345,15 @@ def test_a_warm_start_from_a_registered_model_starts_at_its_accuracy(tmp_path):
     from rayjobs.rundir import RunDir
 
     base = [f"run.storage_path={tmp_path}", "scaling.num_workers=0", "model.name=mlp", "training.batch_size=32"]
-    first = train.run(load_config(None, [*base, "run.name=teacher", "training.epochs=3", "tracking.register_as=digits-mlp"]))
+    first = train.run(
+        load_config(None, [*base, "run.name=teacher", "training.epochs=3", "tracking.register_as=digits-mlp"])
+    )
     assert first["metrics"]["test/accuracy"] >= 0.95
     # Logging and registering the model left this process's environment as it was (no
     # MLFLOW_TRACKING_URI for a later child process, such as `rayjobs eval models:/...`, to inherit).
     assert "MLFLOW_TRACKING_URI" not in os.environ
-    cfg = load_config(None, [*base, "run.name=student", "training.epochs=1", "model.init_from=models:/digits-mlp/1"])
+    cfg = load_config(None, [*base, "run.name=student", "training.epochs=1", "model.init_from=models:/digits-mlp/1",
+                                       "tracking.register_as=digits-mlp"])  # fmt: skip
     summary = train.run(cfg)
     started = RunDir(str(tmp_path / "student")).read_events("warm_start")
     assert len(started) == 1 and started[0]["val/accuracy"] >= 0.95, started
@@ -354,6 +361,21 @@ def test_a_warm_start_from_a_registered_model_starts_at_its_accuracy(tmp_path):
     assert summary["metrics"]["step"] == 1257 // 32  # step 0 and one whole epoch: not a resume
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     assert mlflow.get_run(summary["mlflow_run_id"]).data.tags["rayjobs.init_from"] == "models:/digits-mlp/1"
+
+    # `latest` (and no version at all) is the highest version, as in MLflow (the student registered
+    # version 2); a stage name is one line.
+    from rayjobs.preflight import mlflow_checkpoint
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert mlflow_checkpoint(uri, "models:/digits-mlp/1", "eval") == first["checkpoint"]
+    for source in ("models:/digits-mlp/latest", "models:/digits-mlp"):
+        assert mlflow_checkpoint(uri, source, "eval") == summary["checkpoint"], source
+    with pytest.raises(ConfigError, match=r"^eval: models:/digits-mlp/Production: a model version is a number or"):
+        mlflow_checkpoint(uri, "models:/digits-mlp/Production", "eval")
+    with pytest.raises(
+        ConfigError, match=r"^eval: models:/nope/latest not found in .*no registered model named 'nope'"
+    ):
+        mlflow_checkpoint(uri, "models:/nope/latest", "eval")
 
     for extra, line in [
         (["model.flavor=debug"], "model.init_from: models:/digits-mlp/1 holds mlp/default {}, but this run builds "
