@@ -205,11 +205,17 @@ def clip_grad_norm(
     params = [p for p in model.parameters() if p.grad is not None]
     squares = torch.zeros((), dtype=torch.float64, device=_device_of(params))
     by_mesh: dict[Any, list[torch.Tensor]] = {}
+    plain: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in params:
         if isinstance(p.grad, DTensor):
             by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
         else:
-            squares += torch.linalg.vector_norm(p.grad.detach(), 2, dtype=torch.float64) ** 2
+            plain.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad.detach())
+    for (dtype, _), grads in plain.items():  # one fused kernel per group, not three small ops per parameter
+        # Each tensor's norm in fp32 at least (asking for fp64 takes a slow path); their sum in fp64.
+        wide = None if dtype in (torch.float32, torch.float64) else torch.float32
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).double()
+        squares += norms.square().sum().to(squares.device)
     for grads in by_mesh.values():  # one collective per mesh: the norms of the shards are reduced together
         local = torch.stack([torch.linalg.vector_norm(g.detach(), 2) for g in grads])
         total = torch.linalg.vector_norm(local, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 
 import pytest
@@ -47,6 +48,20 @@ def test_grad_accumulation_equals_one_large_batch(accum: int):
     assert norm_small == pytest.approx(norm_big, rel=1e-5)
     for a, b in zip(big.parameters(), small.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_global_grad_norm_is_the_norm_of_all_gradients_together(dtype):
+    """The fused per-group norm (one kernel per dtype) equals the fp64 norm of every gradient concatenated."""
+    from rayjobs.parallel.apply import clip_grad_norm
+
+    torch.manual_seed(0)
+    model = build_model("mlp", "debug", {}, INFO).to(dtype)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 3
+    expected = torch.cat([p.grad.double().flatten() for p in model.parameters()]).norm().item()
+    assert float(clip_grad_norm(model, math.inf, None, lazy=True)) == pytest.approx(expected, rel=1e-5)
+    assert clip_grad_norm(model, math.inf, None) == pytest.approx(expected, rel=1e-5)
 
 
 def test_grad_clip_bounds_the_update():
