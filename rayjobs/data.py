@@ -275,9 +275,12 @@ def example_inputs(name: str, kwargs: dict[str, Any], n: int = 4) -> tuple[DataI
 
 
 def train_rows(name: str, kwargs: dict[str, Any]) -> int:
-    """Samples in the training split (streamed sources count rows from file metadata)."""
+    """Samples in the training split (streamed sources count rows from file metadata; ``synthetic``
+    from its kwargs, without making the data)."""
     if is_streaming(name):
         return spec(name).load(**kwargs).rows["train"]
+    if name == "synthetic":
+        return int(kwargs.get("num_samples", inspect.signature(synthetic).parameters["num_samples"].default))
     return len(load(name, kwargs).train)  # type: ignore[arg-type]
 
 

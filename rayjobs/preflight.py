@@ -74,21 +74,35 @@ def check_data(cfg: Any) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-def check_stream_rows(cfg: Any, source: Any, world_size: int) -> None:
-    """A streamed source must hold a full batch of training rows for every worker: a run that could
-    take no step is one line here, not an error in every worker after Ray started."""
+def check_train_rows(cfg: Any, source: Any, world_size: int) -> None:
+    """The training split must hold a full batch for every data-parallel replica: a run that could take
+    no step is one line here, not an error in every worker after Ray started. ``source``: a streamed
+    dataset's (rows from file metadata); None for in-memory data, counted here (the bundled sets, and a
+    user's, which the driver loads once anyway)."""
+    from rayjobs import data as data_lib
+    from rayjobs import parallel
     from rayjobs.stepping import micro_batch_size
 
-    if source is None or "train" not in source.rows:
-        return
-    rows, t = source.rows["train"], cfg.training
-    micro_batch = micro_batch_size(t.batch_size, world_size, t.grad_accum)
-    if rows // world_size // micro_batch // t.grad_accum == 0:
+    t = cfg.training
+    if source is not None:
+        if "train" not in source.rows:
+            return
+        rows, replicas = source.rows["train"], world_size
+    else:
+        try:
+            rows = data_lib.train_rows(cfg.data.name, cfg.data.kwargs)
+        except Exception:  # noqa: BLE001 - a user's loader that fails says so itself, in the worker
+            return
+        replicas = parallel.resolve_layout(cfg.parallel, world_size).dp
+    micro_batch = micro_batch_size(t.batch_size, replicas, t.grad_accum)
+    if rows // replicas // micro_batch // t.grad_accum == 0:
         where = cfg.data.kwargs.get("path") or cfg.data.name
+        who = f"{replicas} worker(s)" if replicas == world_size else f"{replicas} data-parallel replica(s)"
+        fits = rows // replicas // t.grad_accum * replicas * t.grad_accum
+        fix = f"lower training.batch_size to at most {fits}, or give more data" if fits else "give more data"
         raise ConfigError(
             f"training.batch_size: {t.batch_size} rows a step, but {where} holds {rows} training row(s) for "
-            f"{world_size} worker(s), not one full batch; lower training.batch_size to at most "
-            f"{rows // world_size * world_size}, or give more data"
+            f"{who}, not one full batch; {fix}"
         )
 
 

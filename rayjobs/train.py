@@ -83,7 +83,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     source = preflight.check_data(cfg)
     local_mode = cfg.scaling.num_workers == 0
     scaling = launch.plan_scaling(cfg, launch.local_gpu_count() if local_mode else launch.cluster_gpu_count())
-    preflight.check_stream_rows(cfg, source, scaling.world_size)
+    preflight.check_train_rows(cfg, source, scaling.world_size)
     store = open_store(cfg)
     preflight.check_own_checkpoints(cfg, store)
     estimate = preflight.memory_estimate(cfg, scaling.world_size, scaling.use_gpu)

@@ -201,3 +201,18 @@ def test_a_ray_address_where_no_cluster_answers_is_one_line_at_once(command, add
     proc = run_cli(*command, env={"RAY_ADDRESS": address}, timeout=30)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"rayjobs: error: {expected}"), lines
+
+
+def test_a_batch_larger_than_an_in_memory_training_split_is_one_line_before_ray():
+    """It failed in every worker after Ray started, with a worker's traceback."""
+    proc = run_cli("train", "--set", "training.batch_size=4096", timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "rayjobs: error: training.batch_size: 4096 rows a step, but digits holds 1257 training row(s) for 2 "
+        "worker(s), not one full batch; lower training.batch_size to at most 1256, or give more data"
+    ), proc.stderr[-2000:]
+    assert "RAY_IMPORTED=False" in proc.stdout
+    # The largest batch it names fits; synthetic data is counted from its kwargs.
+    preflight.check_train_rows(load_config(None, ["training.batch_size=1256"]), None, 2)
+    synthetic = ["data.name=synthetic", "data.kwargs.num_samples=10", "training.batch_size=16", "model.name=mlp"]
+    with pytest.raises(ConfigError, match=r"synthetic holds 10 training row\(s\) for 1 worker\(s\), .* at most 10,"):
+        preflight.check_train_rows(load_config(None, synthetic), None, 1)
