@@ -56,6 +56,14 @@ class Size:
 FULL, QUICK, SMOKE = Size("full"), Size("quick"), Size("smoke")
 
 
+def rounds_note(ratios: list[float]) -> str:
+    """The spread of a ratio over alternated rounds: ``; per round 0.97, 0.99, 0.98 (0.97-0.99)``."""
+    if len(ratios) < 2:
+        return "; one round"
+    shown = ", ".join(f"{r:.3f}" for r in ratios)
+    return f"; per round {shown} ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
 @dataclass
 class Benchmark:
     """A benchmark: what it runs, what it compares, and the function that measures it."""

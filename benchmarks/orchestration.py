@@ -5,13 +5,13 @@ from __future__ import annotations
 import statistics
 
 from benchmarks import launch
-from benchmarks.base import Benchmark, Figure, Size, register
+from benchmarks.base import Benchmark, Figure, Size, register, rounds_note
 
 
 def run(size: Size) -> list[Figure]:
     """Alternate torchrun and Ray launches; compare median step times (launch times: benchmarks.startup)."""
     spec = {"steps": size.pick(40, 15, 6), "warmup": size.pick(3, 3, 1)}
-    rounds = size.pick(2, 1)
+    rounds = size.pick(3, 3, 1)
     torch_runs, ray_runs = [], []
     for _ in range(rounds):
         torch_runs.append(launch.torchrun(spec, nproc=2))
@@ -23,7 +23,13 @@ def run(size: Size) -> list[Figure]:
             "orchestration.step_time_ratio",
             r_step / t_step,
             "<= 1.02",
-            note=f"median step {r_step * 1e3:.1f} ms (Ray) vs {t_step * 1e3:.1f} ms (torchrun)",
+            note=f"median step {r_step * 1e3:.1f} ms (Ray) vs {t_step * 1e3:.1f} ms (torchrun)"
+            + rounds_note(
+                [
+                    statistics.median(r["step_times"]) / statistics.median(t["step_times"])
+                    for r, t in zip(ray_runs, torch_runs)
+                ]
+            ),
         ),
     ]
 
