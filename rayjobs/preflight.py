@@ -74,16 +74,18 @@ def check_data(cfg: Any) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-def check_train_rows(cfg: Any, source: Any, world_size: int) -> None:
+def check_train_rows(
+    cfg: Any, source: Any, world_size: int, batch_size: int | None = None, field: str = "training.batch_size"
+) -> None:
     """The training split must hold a full batch for every data-parallel replica: a run that could take
     no step is one line here, not an error in every worker after Ray started. ``source``: a streamed
     dataset's (rows from file metadata); None for in-memory data, counted here (the bundled sets, and a
-    user's, which the driver loads once anyway)."""
+    user's, which the driver loads once anyway). ``batch_size``: a value to check in place of the config's, named ``field`` in the error."""
     from rayjobs import data as data_lib
     from rayjobs import parallel
     from rayjobs.stepping import micro_batch_size
 
-    t = cfg.training
+    t = cfg.training.model_copy(update={"batch_size": batch_size}) if batch_size else cfg.training
     if source is not None:
         if "train" not in source.rows:
             return
@@ -99,9 +101,9 @@ def check_train_rows(cfg: Any, source: Any, world_size: int) -> None:
         where = cfg.data.kwargs.get("path") or cfg.data.name
         who = f"{replicas} worker(s)" if replicas == world_size else f"{replicas} data-parallel replica(s)"
         fits = rows // replicas // t.grad_accum * replicas * t.grad_accum
-        fix = f"lower training.batch_size to at most {fits}, or give more data" if fits else "give more data"
+        fix = f"lower {field} to at most {fits}, or give more data" if fits else "give more data"
         raise ConfigError(
-            f"training.batch_size: {t.batch_size} rows a step, but {where} holds {rows} training row(s) for "
+            f"{field}: {t.batch_size} rows a step, but {where} holds {rows} training row(s) for "
             f"{who}, not one full batch; {fix}"
         )
 

@@ -126,6 +126,17 @@ def scheduler_problems(cfg: RunConfig) -> list[str]:
     return []
 
 
+def _batch_sizes(cfg: RunConfig) -> list[int]:
+    """The batch sizes the trials may take: the config's, or the space's (a range: its largest)."""
+    spec = cfg.tune.space.get("training.batch_size")
+    if not spec:
+        return [cfg.training.batch_size]
+    kind, values = next(iter(spec.items()))
+    if kind in ("choice", "grid"):
+        return [int(v) for v in values]
+    return [int(values[1]) - 1 if kind == "randint" else int(values[1])]  # randint's upper bound is exclusive
+
+
 def tune_domain(spec: dict[str, Any]) -> Any:
     """The Ray Tune domain for one validated space entry."""
     from ray import tune
@@ -277,9 +288,19 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
     for note in paths.resolve(cfg):
         log.note(note)
-    problems = space_problems(cfg) + scheduler_problems(cfg) + preflight.missing_packages(cfg)
+    problems = space_problems(cfg) + preflight.missing_packages(cfg)
     if cfg.scaling.num_workers == 0:
         problems.append("scaling.num_workers: a search needs workers (each trial runs a TorchTrainer); use 1 or more")
+    if problems:
+        raise ConfigError(problems)
+    from rayjobs import launch
+
+    plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
+    source = preflight.check_data(cfg)
+    field = "tune.space.training.batch_size" if "training.batch_size" in cfg.tune.space else "training.batch_size"
+    for batch_size in _batch_sizes(cfg):  # every batch a trial may take must fit the training split
+        preflight.check_train_rows(cfg, source, plan.world_size, batch_size, field)
+    problems = scheduler_problems(cfg)  # measured in steps: a batch that fits first
     if problems:
         raise ConfigError(problems)
     layout = layout_for(cfg)
@@ -289,10 +310,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
 
     from ray import tune
 
-    from rayjobs import launch
-
     started = time.time()
-    plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
     launch.init_ray(plan, driver_cpus=cfg.tune.trial_cpus)  # a local Ray fits one trial at least
     steps = _run_length(cfg)
     layout["perturbation_interval"] = _interval(cfg, steps)

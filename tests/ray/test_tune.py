@@ -63,6 +63,19 @@ def test_bad_search_spaces_are_one_line_errors(overrides, expected):
         ),
         (["tune.scheduler=pbt", "tune.search=optuna"], "tune.search: optuna cannot drive tune.scheduler=pbt"),
         (["tune.space={}"], "tune.space: empty: a search needs at least one hyperparameter to vary"),
+        # A batch larger than the training split is named as such (it read as a grace period past the end).
+        (
+            ["training.batch_size=4096"],
+            "training.batch_size: 4096 rows a step, but digits holds 1257 training row(s) for 1 worker(s), not one",
+        ),
+        (
+            ["tune.space={training.batch_size: {choice: [32, 4096]}}"],
+            "tune.space.training.batch_size: 4096 rows a step, but digits holds 1257 training row(s)",
+        ),
+        (
+            ["tune.space={training.batch_size: {randint: [16, 2000]}}"],
+            "tune.space.training.batch_size: 1999 rows a step",
+        ),
     ],
 )
 def test_a_scheduler_that_would_never_decide_is_one_line_before_ray(sets, expected):
