@@ -432,6 +432,8 @@ def _export(args: argparse.Namespace) -> None:
 
     if not args.out.endswith((".pt", ".pth", ".safetensors")):
         raise ConfigError(f"export: --out must end in .pt, .pth or .safetensors, got {args.out!r}")
+    if Path(args.out).is_dir():
+        raise ConfigError(f"export: --out {args.out} is a directory; give a file path (e.g. {args.out}/weights.pt)")
     checkpoint = checkpoint_directory(args)
     preflight.check_writable_dir(str(Path(args.out).resolve().parent), "export: --out")
     try:

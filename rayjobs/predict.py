@@ -94,6 +94,10 @@ def predict(
     missing = [f for f in features if f not in columns]
     if missing:
         raise ConfigError(f"predict: {files[0]} has no column(s) {', '.join(missing)}; it has {', '.join(columns)}")
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(
+            f"predict: --out {out} is a file; give a new directory (predictions are written as Parquet files in it)"
+        )
     if Path(out).exists() and any(Path(out).iterdir()):
         raise ConfigError(f"predict: --out {out} is not empty; give a new directory")
     (_check_tokens if info.kind == "tokens" else _check_width)(files[0], fmt, features, info)

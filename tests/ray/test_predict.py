@@ -58,7 +58,17 @@ def test_predict_writes_one_prediction_per_row_equal_to_the_models(tmp_path):
     assert nowhere.returncode == 2 and "predict: --out: cannot create /proc/no-such/preds" in nowhere.stderr
     exported = run_cli("export", summary["checkpoint"], "--out", "/proc/no-such/w.pt")
     assert exported.returncode == 2 and "export: --out: cannot create /proc/no-such" in exported.stderr
-    for proc in (empty, nowhere, exported):
+    (tmp_path / "file.csv").write_text("not a directory")
+    onto_a_file = run_cli("predict", summary["checkpoint"], "--data", str(rows), "--out", str(tmp_path / "file.csv"))
+    assert onto_a_file.returncode == 2 and onto_a_file.stderr.strip().startswith(
+        f"rayjobs: error: predict: --out {tmp_path / 'file.csv'} is a file; give a new directory"
+    ), onto_a_file.stderr[-2000:]
+    (tmp_path / "dir.pt").mkdir()
+    onto_a_dir = run_cli("export", summary["checkpoint"], "--out", str(tmp_path / "dir.pt"))
+    assert onto_a_dir.returncode == 2 and onto_a_dir.stderr.strip().startswith(
+        f"rayjobs: error: export: --out {tmp_path / 'dir.pt'} is a directory; give a file path"
+    ), onto_a_dir.stderr[-2000:]
+    for proc in (empty, nowhere, exported, onto_a_file, onto_a_dir):
         assert "Traceback" not in proc.stderr and "RAY_IMPORTED=False" in proc.stdout
 
 
