@@ -306,6 +306,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     layout = layout_for(cfg)
     if resume and not os.path.isdir(layout["experiment_dir"]):
         raise ConfigError(f"--resume: no search to resume at {layout['experiment_dir']}")
+    keep_search_config(cfg, layout, resume)
     preflight.check_writable_dir(layout["train_storage"])
 
     from ray import tune
@@ -347,6 +348,37 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     if summary.get("failed"):
         raise TrainingFailed(f"search {layout['name']}: {summary['failed']}")
     return summary
+
+
+SEARCH_CONFIG = "rayjobs-search.json"  # in the experiment directory: the config a search started with
+CHANGEABLE_ON_RESUME = ("tune.max_concurrent_trials",)
+
+
+def keep_search_config(cfg: RunConfig, layout: dict[str, Any], resume: bool) -> None:
+    """Record the config a search starts with; a ``--resume`` with another one is refused.
+
+    Tune restores a search's trials, samples and scheduler state as they were saved, and new
+    trials would train with the new base config: a changed space, sample count or training
+    setting would be ignored or mixed in without a word.
+    """
+    from rayjobs.tracking import flatten
+
+    path = Path(layout["experiment_dir"], SEARCH_CONFIG)
+    current = flatten(cfg.model_dump(mode="json", by_alias=True))
+    if resume and path.is_file():
+        saved = json.loads(path.read_text())
+        changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+        changed = [k for k in changed if k not in CHANGEABLE_ON_RESUME]
+        if changed:
+            shown = "; ".join(f"{k} {saved.get(k, '(unset)')} -> {current.get(k, '(unset)')}" for k in changed[:3])
+            more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+            raise ConfigError(
+                f"--resume: search {layout['name']} started with another config: {shown}{more}; resume it with the "
+                "settings it started with, or drop --resume and give a new tune.name"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(current, indent=1, sort_keys=True))
 
 
 def _tuner(

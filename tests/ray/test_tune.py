@@ -11,6 +11,7 @@ from conftest import run_cli
 
 from rayjobs import tune
 from rayjobs.config import load_config
+from rayjobs.errors import ConfigError
 
 TUNE = "rayjobs/configs/tune-digits.yaml"
 
@@ -113,6 +114,22 @@ def test_a_local_searchs_ray_fits_a_trial_driver_beside_its_workers():
 
 def test_shipped_search_space_is_valid():
     assert tune.space_problems(load_config(TUNE)) == []
+
+
+def test_a_resume_with_another_config_is_refused_naming_the_changes(tmp_path):
+    """Tune restores the saved samples and would train new trials with the new settings: without a word."""
+    base = [f"run.storage_path={tmp_path}", "tune.name=s", "tune.num_samples=2"]
+    cfg = load_config(TUNE, base)
+    layout = tune.layout_for(cfg)
+    tune.keep_search_config(cfg, layout, resume=False)
+    tune.keep_search_config(load_config(TUNE, base), layout, resume=True)  # the same command resumes
+    tune.keep_search_config(load_config(TUNE, [*base, "tune.max_concurrent_trials=1"]), layout, resume=True)
+    with pytest.raises(ConfigError) as err:
+        tune.keep_search_config(load_config(TUNE, [*base, "tune.num_samples=3", "optim.lr=0.1"]), layout, resume=True)
+    assert str(err.value) == (
+        "--resume: search s started with another config: optim.lr 0.003 -> 0.1; tune.num_samples 2 -> 3; resume it "
+        "with the settings it started with, or drop --resume and give a new tune.name"
+    )
 
 
 def _search_with_children(tmp_path, left: dict[str, str]):
