@@ -200,27 +200,25 @@ def mlflow_checkpoint(uri: str, source: str, what: str) -> str:
     from rayjobs.errors import first_line
     from rayjobs.tracking import MODEL_CHECKPOINT_TAG
 
+    name, _, version = source.removeprefix("models:/").partition("/")
+    if source.startswith("models:/") and "@" not in name and version not in ("", "latest") and not version.isdigit():
+        raise ConfigError(
+            f"{what}: {source}: a model version is a number or 'latest' (stages are gone in MLflow 3); "
+            f"for an alias write models:/{name}@ALIAS"
+        )
     client = MlflowClient(uri)
     try:
         if source.startswith("models:/"):
-            name, _, version = source.removeprefix("models:/").partition("/")
             if "@" in name:
                 name, alias = name.split("@", 1)
                 run_id = client.get_model_version_by_alias(name, alias).run_id
             elif version in ("", "latest"):
                 run_id = _latest_model_version(client, name).run_id
-            elif not version.isdigit():
-                raise ConfigError(
-                    f"{what}: {source}: a model version is a number or 'latest' (stages are gone in MLflow 3); "
-                    f"for an alias write models:/{name}@ALIAS"
-                )
             else:
                 run_id = client.get_model_version(name, version).run_id
         else:
             run_id = source.removeprefix("runs:/").split("/", 1)[0]
         tags = client.get_run(run_id).data.tags
-    except ConfigError:
-        raise
     except Exception as exc:  # noqa: BLE001 - an unknown name, version or run is the user's to fix
         raise ConfigError(f"{what}: {source} not found in {uri}: {first_line(exc)}") from None
     if MODEL_CHECKPOINT_TAG not in tags:

@@ -458,11 +458,23 @@ def _end_interrupted(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, 
     for t in summary["trials"]:
         if not t["mlflow_run_id"]:
             continue
-        status = tracker.client.get_run(t["mlflow_run_id"]).info.status
-        # A trial torn down by the interrupt may have ended its own run FAILED on the way out.
-        if status == "RUNNING" or (status == "FAILED" and t["status"] != "error"):
-            tracker.end(t["mlflow_run_id"], "KILLED")
+        end = _trial_run_end(t["status"], tracker.client.get_run(t["mlflow_run_id"]).info.status, interrupted=True)
+        if end:
+            tracker.end(t["mlflow_run_id"], end)
     tracker.end(layout["parent_run_id"], "KILLED")
+
+
+def _trial_run_end(tune_status: str, mlflow_status: str, interrupted: bool) -> str | None:
+    """How a trial's MLflow run must end, by Tune's word on the trial; None: leave it as it is.
+
+    A trial Tune stopped (early, or with the whole search) may have ended its own run FAILED as it
+    was torn down (its Train run raised on the way out): that run ends KILLED.
+    """
+    if tune_status in ("stopped early", "interrupted") and mlflow_status in ("RUNNING", "FAILED"):
+        return "KILLED"
+    if mlflow_status == "RUNNING":
+        return "KILLED" if interrupted else "FAILED"
+    return None
 
 
 def _live_placement_groups() -> set[str]:
@@ -659,13 +671,9 @@ def _finish_parent(cfg: RunConfig, layout: dict[str, Any], summary: dict[str, An
     for t in summary["trials"]:
         if not t["mlflow_run_id"]:
             continue
-        status = c.get_run(t["mlflow_run_id"]).info.status
-        # Tune's word on a trial is final: a trial it stopped early may have ended its own run FAILED
-        # as it was torn down (its Train run raised on the way out); that run ends KILLED.
-        if t["status"] == "stopped early" and status != "KILLED":
-            tracker.end(t["mlflow_run_id"], "KILLED")
-        elif status == "RUNNING":
-            tracker.end(t["mlflow_run_id"], "FAILED")
+        end = _trial_run_end(t["status"], c.get_run(t["mlflow_run_id"]).info.status, interrupted=False)
+        if end:
+            tracker.end(t["mlflow_run_id"], end)
         tracker.tag(t["mlflow_run_id"], "rayjobs.tune.status", t["status"])
         if t["id"] == summary["best_trial"]:
             tracker.tag(t["mlflow_run_id"], "rayjobs.best", "true")
