@@ -86,8 +86,9 @@ def run_under_ray(spec: dict[str, Any], workers: int, fits: int = 1) -> dict[str
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from rayjobs.launch import start_local_ray
+    from rayjobs.launch import poll_reports_often, start_local_ray
 
+    poll_reports_often()  # as `rayjobs train` does
     marks = {"driver_start": timeline.process_start(), "ray_start": time.time()}
     start_local_ray(num_cpus=max(os.cpu_count() or 1, workers), log_to_driver=False)
     marks["ray_ready"] = time.time()

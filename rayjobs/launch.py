@@ -219,6 +219,20 @@ def local_ray_cpus(cpus_needed: float) -> int:
 
 GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # ray.init reads it as it starts a head's GCS
 PREEMPTION_WATCHER_VARIABLE = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # read by the Train controller
+REPORT_POLL_VARIABLE = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by the Train controller (default 2 s)
+REPORT_POLL_S = "0.25"
+
+
+def poll_reports_often() -> None:
+    """Have the Train controller take the workers' reports every 0.25 s instead of every 2 s.
+
+    A worker's ``ray.train.report`` waits until the controller has taken its previous report, and
+    the controller takes them when it polls the workers. At Ray's default a run that reports more
+    often than every 2 s (the default job reports every 0.25 s of training) spent most of its time
+    waiting: 54 s for the default job, 27 s with this. Ray passes the driver's value on to the
+    controller it starts, on a local Ray and on a cluster alike; a value the user set is kept.
+    """
+    os.environ.setdefault(REPORT_POLL_VARIABLE, REPORT_POLL_S)
 
 
 def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:

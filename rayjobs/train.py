@@ -187,6 +187,7 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
         from rayjobs.checkpoint import reconcile_ray_snapshot
 
         reconcile_ray_snapshot(cfg.run_dir, store)  # a re-run's controller must not trip on checkpoints we pruned
+    launch.poll_reports_often()
     plan = dataclasses.replace(plan, launch_marks={**plan.launch_marks, "fit": time.time()})
     trainer = TorchTrainer(
         train_fn_per_worker,

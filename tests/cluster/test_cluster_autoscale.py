@@ -144,11 +144,12 @@ def test_a_submitted_job_brings_up_nodes_survives_losing_one_and_they_go_when_id
     run_dir = tmp_path / "digits-ddp"
     job = submit(
         local_cluster,
-        *("--set", f"run.storage_path={tmp_path}", "--set", "training.epochs=3", "--set", "scaling.num_workers=2"),
-        *("--set", "checkpoint.every_steps=10", "--set", "failure.max_failures=2"),
+        # 30 epochs (570 steps, about 10 s of training here): still running when the test kills a node.
+        *("--set", f"run.storage_path={tmp_path}", "--set", "training.epochs=30", "--set", "scaling.num_workers=2"),
+        *("--set", "checkpoint.every_steps=20", "--set", "failure.max_failures=2"),
         *("--set", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--summary", str(tmp_path / "summary.json")),
     )
-    wait_for(lambda: ckpt.latest_complete(run_dir, warn=False), 420, "a first checkpoint", every=2)
+    wait_for(lambda: ckpt.latest_complete(run_dir, warn=False), 420, "a first checkpoint", every=0.5)
     before = {n["node_id"] for n in worker_nodes(local_cluster)}
     assert len(before) >= 2  # 2 workers of 1 CPU each: two cpu_worker nodes were launched for them
     killed_at = ckpt.latest_complete(run_dir, warn=False).step
@@ -228,7 +229,8 @@ def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_
         *("--set", f"run.storage_path={tmp_path}", "--set", "run.name=elastic"),
         *("--set", "scaling.num_workers=[1, 2]", "--set", "scaling.resources_per_worker={CPU: 1, elastic: 1}"),
         *("--set", "scaling.elastic_resize_interval_s=5", "--set", "failure.max_failures=2"),
-        *("--set", "training.epochs=4", "--set", "checkpoint.every_steps=5", "--set", "tracking.enabled=false"),
+        # 60 epochs: about a minute on one worker here, time for a node to join and the group to grow.
+        *("--set", "training.epochs=60", "--set", "checkpoint.every_steps=20", "--set", "tracking.enabled=false"),
     )
 
     def join(name: str) -> subprocess.Popen:
