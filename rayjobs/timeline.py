@@ -6,7 +6,7 @@ entered, data ready, model ready, first step done) and turns them into phases:
 
     driver      the driver's Python start, imports and the checks before Ray
     ray         ``ray.init`` (0 in local mode, or on a Ray that was already up)
-    mlflow      the MLflow run made for this run
+    mlflow      the MLflow run made for this run (and a small streamed dataset's val and test read once)
     workers     ``fit()`` to the worker's process start: Train controller, placement group, actor
     imports     the worker's process start to the train function: imports, process group
     data        this rank's data

@@ -183,6 +183,8 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
         from rayjobs import ray_data
 
         datasets = ray_data.datasets(prep.source, cfg.data.kwargs)
+        if plan.stream is not None and plan.stream.in_memory:
+            datasets = ray_data.read_evaluation_splits_once(datasets)
     if not prep.local_mode:
         from rayjobs.checkpoint import reconcile_ray_snapshot
 

@@ -50,6 +50,23 @@ def test_prepared_digits_train_with_two_workers_like_the_bundled_path(ray_cluste
     assert 0 <= streamed["perf/data_wait_fraction"] <= 1
 
 
+def test_small_evaluation_splits_are_read_once_for_all_workers(ray_cluster, tmp_path):
+    """Each worker reads all of val and test: read in the driver once, not once per worker per split."""
+    from ray.data.dataset import MaterializedDataset
+
+    from rayjobs import ray_data
+
+    _prepare("digits", "--out", str(tmp_path / "digits"))
+    kwargs = {"path": str(tmp_path / "digits")}
+    source = ray_data.resolve("parquet", kwargs)
+    assert ray_data.fits_in_memory(source, world_size=2)
+    read = ray_data.read_evaluation_splits_once(ray_data.datasets(source, kwargs))
+    assert not isinstance(read["train"], MaterializedDataset)  # train streams, split over the workers
+    assert isinstance(read["val"], MaterializedDataset) and isinstance(read["test"], MaterializedDataset)
+    assert (read["val"].count(), read["test"].count()) == (270, 270)
+    assert sorted(read["val"].take_batch(1, batch_format="numpy")) == ["x", "y"]
+
+
 def _corpus(folder) -> None:
     folder.mkdir()
     lines = [
