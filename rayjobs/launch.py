@@ -230,9 +230,19 @@ def poll_reports_often() -> None:
     the controller takes them when it polls the workers. At Ray's default a run that reports more
     often than every 2 s (the default job reports every 0.25 s of training) spent most of its time
     waiting: 54 s for the default job, 27 s with this. Ray passes the driver's value on to the
-    controller it starts, on a local Ray and on a cluster alike; a value the user set is kept.
+    controller it starts, on a local Ray and on a cluster alike; a value the user set is kept, and
+    one that is not a positive number of seconds is refused here (Ray's controller dies on it).
     """
-    os.environ.setdefault(REPORT_POLL_VARIABLE, REPORT_POLL_S)
+    value = os.environ.setdefault(REPORT_POLL_VARIABLE, REPORT_POLL_S)
+    try:
+        ok = float(value) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{REPORT_POLL_VARIABLE}={value!r} is not a positive number of seconds; "
+            f"unset it (rayjobs polls every {REPORT_POLL_S} s) or set e.g. 0.5"
+        )
 
 
 def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:

@@ -78,6 +78,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     missing = preflight.missing_packages(cfg, ("data.name",))
     if missing:
         raise ConfigError(missing)
+    launch.poll_reports_often()
     preflight.check_resume_from(cfg)
     init_from = preflight.check_init_from(cfg)
     source = preflight.check_data(cfg)
@@ -189,7 +190,6 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
         from rayjobs.checkpoint import reconcile_ray_snapshot
 
         reconcile_ray_snapshot(cfg.run_dir, store)  # a re-run's controller must not trip on checkpoints we pruned
-    launch.poll_reports_often()
     plan = dataclasses.replace(plan, launch_marks={**plan.launch_marks, "fit": time.time()})
     trainer = TorchTrainer(
         train_fn_per_worker,

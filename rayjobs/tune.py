@@ -295,6 +295,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         raise ConfigError(problems)
     from rayjobs import launch
 
+    launch.poll_reports_often()  # the trials' drivers inherit it; a bad value is one line before Ray
     plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
     source = preflight.check_data(cfg)
     field = "tune.space.training.batch_size" if "training.batch_size" in cfg.tune.space else "training.batch_size"

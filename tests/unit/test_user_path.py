@@ -216,3 +216,15 @@ def test_a_batch_larger_than_an_in_memory_training_split_is_one_line_before_ray(
     synthetic = ["data.name=synthetic", "data.kwargs.num_samples=10", "training.batch_size=16", "model.name=mlp"]
     with pytest.raises(ConfigError, match=r"synthetic holds 10 training row\(s\) for 1 worker\(s\), .* at most 10,"):
         preflight.check_train_rows(load_config(None, synthetic), None, 1)
+
+
+@pytest.mark.parametrize("command", [["train"], ["tune", "--config", "tune-digits"]])
+def test_a_report_poll_interval_that_is_not_seconds_is_one_line_before_ray(command):
+    """rayjobs sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S unless the user did; Ray's controller died on a
+    bad value after Ray started, with its traceback."""
+    proc = run_cli(*command, timeout=120, env={"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "abc"})
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "rayjobs: error: RAY_TRAIN_HEALTH_CHECK_INTERVAL_S='abc' is not a positive number of seconds; "
+        "unset it (rayjobs polls every 0.25 s) or set e.g. 0.5"
+    ), proc.stderr[-2000:]
+    assert "RAY_IMPORTED=False" in proc.stdout
