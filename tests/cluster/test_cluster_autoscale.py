@@ -96,14 +96,40 @@ def job_status(started: cluster.LocalCluster, job_id: str) -> tuple[str, str]:
     return get_json(started, f"/api/jobs/{job_id}")["status"], get_json(started, f"/api/jobs/{job_id}/logs")["logs"]
 
 
-def wait_for(predicate, timeout: float, what: str, every: float = 1.0):
+def wait_for(predicate, timeout: float, what: str, every: float = 1.0, explain=None):
+    """Poll `predicate` until it returns something truthy; on timeout fail, adding what `explain()` says."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+    pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}" + (f"\n{explain()}" if explain else ""))
+
+
+def diagnosis(started: cluster.LocalCluster, job: str) -> str:
+    """What a stuck job's failure message needs: its status and log tail, the alive nodes and their
+    resources, and the Train controllers' last scaling decisions (from the cluster's session logs)."""
+    from pathlib import Path
+
+    status, logs = job_status(started, job)
+    nodes = [f"{n['node_id'][:8]} head={n['is_head_node']} {n['resources_total']}" for n in alive_nodes(started)]
+    decisions = [
+        line[:300]
+        for log in sorted(Path(started.temp_dir).glob("session_latest/logs/train/ray-train-sys-controller-*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if "Detected" in line or "Requesting resources" in line or "Failed to" in line
+    ]
+    return "\n".join(
+        [
+            f"job {status}; its log ends:",
+            logs[-2000:],
+            "alive nodes:",
+            *nodes,
+            "controller decisions:",
+            *decisions[-12:],
+        ]
+    )
 
 
 def finished_job(started: cluster.LocalCluster, job: str, seen: set[str] | None = None):
@@ -236,19 +262,39 @@ def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_
     def join(name: str) -> subprocess.Popen:
         cmd = [f"{VENV_BIN}/ray", "start", f"--address={local_cluster.gcs_address}", "--num-cpus=1"]
         cmd += [f"--resources={json.dumps({'elastic': 1, name: 1})}", "--block", "--disable-usage-stats"]
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        out = tmp_path / f"{name}.out"
+        with out.open("w") as sink:
+            node = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
 
-    def starts() -> list[int]:  # the worker-group size of each attempt, from its first log line
-        lines = job_status(local_cluster, job)[1].splitlines()
+        def joined() -> bool:
+            if node.poll() is not None:
+                pytest.fail(f"`ray start` of node {name} exited {node.returncode}: {out.read_text()[-2000:]}")
+            return any(name in n["resources_total"] for n in alive_nodes(local_cluster))
+
+        wait_for(joined, 120, f"node {name} to join")
+        return node
+
+    def starts(logs: str) -> list[int]:  # the worker-group size of each attempt, from its first log line
+        lines = logs.splitlines()
         return [int(line.split(" worker(s) on ")[0].rsplit(" ", 1)[1]) for line in lines if " worker(s) on " in line]
 
-    nodes = [join("elastic_a")]
+    def started() -> list[int]:
+        status, logs = job_status(local_cluster, job)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            pytest.fail(f"the elastic job ended {status} before it started:\n{logs[-3000:]}")
+        return starts(logs)
+
+    explain = lambda: diagnosis(local_cluster, job)  # noqa: E731
+    nodes: list[subprocess.Popen] = []
     try:
-        wait_for(lambda: starts(), 240, "the run to start on one node", every=2)
+        nodes.append(join("elastic_a"))
+        # Ray Train's elastic policy starts once the cluster-wide AutoscalingCoordinator reserves a
+        # node for it; the coordinator looks at the cluster every 20 s.
+        wait_for(started, 300, "the run to start on one node", 2, explain)
         nodes.append(join("elastic_b"))
-        status, logs = wait_for(finished_job(local_cluster, job), 480, "the elastic job to finish", every=2)
+        status, logs = wait_for(finished_job(local_cluster, job), 480, "the elastic job to finish", 2, explain)
         assert status == "SUCCEEDED", logs[-3000:]
-        sizes = starts()
+        sizes = starts(logs)
         assert sizes[0] == 1 and 2 in sizes, sizes  # started at its minimum, grew when the node joined
         assert resumed_steps(logs), logs[-3000:]  # the grown group resumed from a checkpoint
     finally:
