@@ -15,6 +15,7 @@ Nothing here unpickles code: tensors load with ``weights_only=True`` and the res
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -804,13 +805,23 @@ def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "
     model, cfg = load_for_inference(checkpoint, trust_model)
     weights = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    # Written beside the target and renamed into place: a failed write leaves an earlier export whole.
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(partial, "wb") as f:  # an unwritable place fails here, with the OS's reason
+            if out.suffix != ".safetensors":
+                torch.save(weights, f)
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
 
-        save_file(weights, str(out))
-    else:
-        torch.save(weights, out)
+            save_file(weights, str(partial))
+        os.replace(partial, out)
+    except Exception as exc:  # OSError; torch and safetensors raise their own types for a failed write
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+        reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[-1]
+        raise CheckpointError(f"cannot write {out}: {reason}; give a path in a directory you can write to") from None
     return {
         "model": cfg.model.name,
         "flavor": cfg.model.flavor,

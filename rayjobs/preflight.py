@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from typing import Any
 
 from rayjobs.errors import ConfigError
@@ -50,8 +51,13 @@ def check_writable_dir(path: str, field: str = "run.storage_path") -> None:
         raise ConfigError(
             f"{field}: cannot create {path}: {exc.strerror or exc}; give a directory you can write to"
         ) from None
-    if not os.access(path, os.W_OK):
-        raise ConfigError(f"{field}: {path} is not writable; give a directory you can write to")
+    try:  # a real write: os.access says yes to root on a read-only mount or in /proc
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"{field}: {path} is not writable ({exc.strerror or exc}); give a directory you can write to"
+        ) from None
 
 
 def check_data(cfg: Any) -> Any:
@@ -122,11 +128,11 @@ def check_resume_from(cfg: Any) -> None:
     problem = verify(path)
     if problem:
         raise ConfigError(f"checkpoint.resume_from: {path} is not a complete checkpoint: {problem}")
-    from rayjobs.resume import other_model
+    from rayjobs.resume import incompatible_checkpoint
 
     # The first start resumes from it, later ones from their own newest (a bucket's: rank 0 checks).
     if "://" not in cfg.storage_path and newest_committed(cfg.run_dir) is None:
-        problem = other_model(path, cfg)
+        problem = incompatible_checkpoint(path, cfg)
         if problem:
             raise ConfigError(f"checkpoint.resume_from: {problem.removeprefix('error: ')}")
     cfg.checkpoint.resume_from = path
@@ -149,10 +155,10 @@ def check_own_checkpoints(cfg: Any, store: Any) -> None:
     (only its state.json is read)."""
     if cfg.checkpoint.resume_from or store is not None:  # a resume source, or the bucket's newest (checked by rank 0)
         return
-    from rayjobs.resume import other_model
+    from rayjobs.resume import incompatible_checkpoint
 
     newest = newest_committed(cfg.run_dir)
-    problem = other_model(newest, cfg) if newest else ""
+    problem = incompatible_checkpoint(newest, cfg) if newest else ""
     if problem:
         raise ConfigError(problem.removeprefix("error: "))
 

@@ -71,7 +71,7 @@ def resume(
             if info is None and ckpt.list_checkpoints(cfg.run_dir, check=False):
                 log(f"no complete checkpoint in {cfg.run_dir}: starting from step 0")
         if choice[0] and not choice[0].startswith("error: "):
-            choice = [other_model(choice[0], cfg) or choice[0]]
+            choice = [incompatible_checkpoint(choice[0], cfg) or choice[0]]
     if ctx.world_size > 1 and dist.is_initialized() and not from_bucket:
         dist.broadcast_object_list(choice, src=0)
     path = choice[0]
@@ -99,9 +99,9 @@ class ResumeRefused(ExplainedFailure):
     """The checkpoint this start would resume from is not this run's (another model or lineage)."""
 
 
-def other_model(path: str, cfg: RunConfig) -> str:
-    """'error: ...' when the checkpoint at ``path`` holds another model, or was trained on other data,
-    than ``cfg``'s run; else ''."""
+def incompatible_checkpoint(path: str, cfg: RunConfig) -> str:
+    """'error: ...' when the checkpoint at ``path`` holds another model, or was trained on other data
+    or with another optimizer, than ``cfg``'s run; else ''."""
     saved = ckpt.saved_config(path)
     model, data = saved.get("model") or {}, saved.get("data") or {}
     theirs = (model.get("name"), model.get("flavor"), model.get("kwargs") or {})
@@ -112,6 +112,12 @@ def other_model(path: str, cfg: RunConfig) -> str:
         return f"error: {path} holds a checkpoint of the model {shown(theirs)}, but this run's model is {shown(ours)}; {fix}"
     if data and data.get("name") != cfg.data.name:
         return f"error: {path} was trained on data.name={data.get('name')}, this run reads data.name={cfg.data.name}; {fix}"
+    optimizer = (saved.get("optim") or {}).get("name")
+    if optimizer and optimizer != cfg.optim.name:
+        return (
+            f"error: {path} was trained with optim.name={optimizer}, this run uses optim.name={cfg.optim.name} "
+            f"(its state cannot carry over); {fix}"
+        )
     return ""
 
 

@@ -434,9 +434,14 @@ def format_summary(summary: dict[str, Any]) -> str:
 def write_summary(summary: dict[str, Any], path: str) -> None:
     """Write the run summary as JSON (keys: run_name, storage_path, checkpoint, mlflow_run_id,
     wall_s, samples_per_s, metrics)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(summary, f, indent=2, sort_keys=True)
+    partial = f"{path}.partial"
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(partial, "w") as f:
+            json.dump(summary, f, indent=2, sort_keys=True)
+        os.replace(partial, path)
+    except OSError as exc:
+        raise ConfigError(f"--summary: cannot write {path}: {exc.strerror or exc}") from None
 
 
 if __name__ == "__main__":  # ``python -m rayjobs.train`` is ``rayjobs train`` (what ``ray job submit`` runs)

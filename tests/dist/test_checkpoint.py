@@ -144,6 +144,14 @@ def test_a_run_directory_holding_another_models_checkpoint_is_refused_before_ray
     )
     assert proc.stdout.strip().endswith("RAY_IMPORTED=False")
     assert sorted(p.name for p in run_dir.iterdir()) == [theirs.name]  # nothing written beside it
+    # Another optimizer: its state cannot be loaded (it failed in every worker, with their tracebacks).
+    proc = run_cli("train", "--set", "run.name=mine", "--set", "optim.name=sgd", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        f"rayjobs: error: {run_dir / theirs.name} was trained with optim.name=adamw, this run uses optim.name=sgd "
+        "(its state cannot carry over); give this run its own run.name (--set run.name=...), or resume a checkpoint "
+        "of the same job"
+    ), proc.stderr[-2000:]
+    assert sorted(p.name for p in run_dir.iterdir()) == [theirs.name]
 
 
 def test_async_checkpoints_resume_bit_identical_too(tmp_path, uninterrupted):
@@ -292,6 +300,18 @@ def test_cli_lists_and_exports(tmp_path, uninterrupted):
         timeout=120,
     )
     assert bad.returncode == 2 and "no manifest" in bad.stderr and "Traceback" not in bad.stderr
+    for unwritable in ("/proc/rayjobs-export.pt", "/proc/rayjobs-export.safetensors"):  # not writable, even by root
+        bad = subprocess.run(
+            [sys.executable, "-m", "rayjobs", "export", uninterrupted["checkpoint"], "--out", unwritable],
+            cwd=REPO,
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith(f"rayjobs: error: export: cannot write {unwritable}: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt", "weights.safetensors"]  # nothing partial
 
 
 def test_sigterm_takes_a_checkpoint_then_exits(tmp_path):

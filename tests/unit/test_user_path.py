@@ -228,3 +228,20 @@ def test_a_report_poll_interval_that_is_not_seconds_is_one_line_before_ray(comma
         "unset it (rayjobs polls every 0.25 s) or set e.g. 0.5"
     ), proc.stderr[-2000:]
     assert "RAY_IMPORTED=False" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["train", "--summary", "/proc/rayjobs-summary.json"], "--summary: /proc is not writable ("),
+        (["train", "--set", "run.storage_path=/proc/sys"], "run.storage_path: cannot create /proc/sys/digits-ddp: "),
+        (["tune", "--config", "tune-digits", "--summary", "/proc/s.json"], "--summary: /proc is not writable ("),
+    ],
+)
+def test_a_place_that_cannot_be_written_is_one_line_before_ray(args, expected):
+    """/proc refuses writes even to root, whom os.access lets through: the run trained, then its
+    summary failed with a traceback."""
+    proc = run_cli(*args, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"rayjobs: error: {expected}"), lines
+    assert "RAY_IMPORTED=False" in proc.stdout
