@@ -739,11 +739,16 @@ def find_config(path: str | os.PathLike[str]) -> Path:
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a config file into a dict; a missing file or bad YAML is a ConfigError."""
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"--config: {path} is a directory; give a YAML file in it or a shipped config's name")
     if not p.is_file():
         shipped = ", ".join(shipped_configs())
         raise ConfigError(f"--config: no file {path} and no shipped config of that name; shipped: {shipped}")
     try:
         raw = yaml.safe_load(p.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or "not UTF-8 text"
+        raise ConfigError(f"--config: cannot read {path} as a YAML config: {reason}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -136,6 +136,10 @@ def test_file_errors(tmp_path: Path):
     scalar = tmp_path / "scalar.yaml"
     scalar.write_text("just a string\n")
     assert "must be a mapping" in problems(path=str(scalar))[0]
+    binary = tmp_path / "weights.pt"  # a traceback (UnicodeDecodeError) before
+    binary.write_bytes(bytes(range(256)))
+    assert problems(path=str(binary)) == [f"--config: cannot read {binary} as a YAML config: not UTF-8 text"]
+    assert problems(path=str(tmp_path))[0].startswith(f"--config: {tmp_path} is a directory; ")
 
 
 def test_user_model_by_import_path():
