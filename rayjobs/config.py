@@ -378,7 +378,7 @@ class TuneSection(Section):
     def _name_is_a_path_segment(cls, v: str) -> str:
         return plain_name(v)
 
-    space: dict[str, dict[str, Any]] = Field(
+    space: dict[str, Any] = Field(  # each value is checked by tune.space_problems, which names the kinds
         default_factory=dict,
         description="Dotted config path -> {choice|grid: [...]} or {uniform|loguniform|randint: [lo, hi]} or {quniform: [lo, hi, q]}.",
     )

@@ -34,6 +34,12 @@ TUNE = "rayjobs/configs/tune-digits.yaml"
             ["tune.space.optim.lr={choice: [0.1], uniform: [0.1, 0.2]}"],
             "tune.space.optim.lr: must be one mapping {kind: values}",
         ),
+        # A misspelled kind or a bare list named the kinds only when it sat at the top of the space.
+        (
+            ["tune.space={optim.lr: [0.1, 0.2]}"],
+            "tune.space.optim.lr: must be one mapping {kind: values} with kind one of",
+        ),
+        (["tune.space.optim.lr.unifrom=[0.1, 0.2]"], "tune.space.optim.lr.unifrom: must be one mapping {kind: values}"),
         (
             ["tune.search=optuna", "tune.space.optim.name.grid=[adamw, sgd]"],
             "tune.space.optim.name: grid works with tune.search=random only",
