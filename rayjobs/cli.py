@@ -243,6 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     except StoreError as exc:  # an object store the command cannot reach: the user's to fix
         print(f"rayjobs: error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except OSError as exc:
+        if exc.filename is None:  # not about a path the user gave: keep the traceback
+            raise
+        # A path no check above foresaw (a name too long to stat, a file that vanished): one line.
+        print(f"rayjobs: error: {exc.filename}: {exc.strerror or exc}; check the path", file=sys.stderr)
+        sys.exit(2)
     except TrainingFailed as exc:
         _end_ray_log_streaming()
         if exc.__cause__ is not None:  # the training's own error, not a user's config mistake: keep its trace
@@ -354,6 +360,8 @@ def _summary_path(given: str | None) -> str | None:
     if os.path.isdir(path):
         raise ConfigError(f"--summary {given}: is a directory; give a file path, e.g. results/summary.json")
     preflight.check_writable_dir(os.path.dirname(path), "--summary")  # before the run, not after it
+    if len(os.path.basename(path).encode()) > os.pathconf(os.path.dirname(path), "PC_NAME_MAX"):
+        raise ConfigError(f"--summary {given}: the file name is longer than this filesystem allows; give a shorter one")
     return path
 
 
@@ -432,7 +440,7 @@ def _export(args: argparse.Namespace) -> None:
 
     if not args.out.endswith((".pt", ".pth", ".safetensors")):
         raise ConfigError(f"export: --out must end in .pt, .pth or .safetensors, got {args.out!r}")
-    if Path(args.out).is_dir():
+    if os.path.isdir(args.out):  # False for a name too long to stat, which export then names
         raise ConfigError(f"export: --out {args.out} is a directory; give a file path (e.g. {args.out}/weights.pt)")
     checkpoint = checkpoint_directory(args)
     preflight.check_writable_dir(str(Path(args.out).resolve().parent), "export: --out")

@@ -310,7 +310,24 @@ def test_cli_lists_and_exports(tmp_path, uninterrupted):
             timeout=120,
         )
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-        assert bad.stderr.strip().splitlines()[-1].startswith(f"rayjobs: error: export: cannot write {unwritable}: ")
+        assert bad.stderr.strip().splitlines()[-1] == (
+            "rayjobs: error: export: --out: /proc is not writable (No such file or directory); "
+            "give a directory you can write to"
+        )
+    long_name = tmp_path / ("w" * 300 + ".pt")  # the directory is writable, the file cannot be made
+    bad = subprocess.run(
+        [sys.executable, "-m", "rayjobs", "export", uninterrupted["checkpoint"], "--out", str(long_name)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1] == (
+        f"rayjobs: error: export: cannot write {long_name}: File name too long; "
+        "give a path in a directory you can write to"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt", "weights.safetensors"]  # nothing partial
 
 

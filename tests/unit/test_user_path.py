@@ -236,6 +236,8 @@ def test_a_report_poll_interval_that_is_not_seconds_is_one_line_before_ray(comma
         (["train", "--summary", "/proc/rayjobs-summary.json"], "--summary: /proc is not writable ("),
         (["train", "--set", "run.storage_path=/proc/sys"], "run.storage_path: cannot create /proc/sys/digits-ddp: "),
         (["tune", "--config", "tune-digits", "--summary", "/proc/s.json"], "--summary: /proc is not writable ("),
+        (["train", "--summary", "s" * 300 + ".json"], "--summary " + "s" * 300 + ".json: the file name is longer"),
+        (["train", "--config", "c" * 300 + ".yaml"], "c" * 300 + ".yaml: File name too long; check the path"),
     ],
 )
 def test_a_place_that_cannot_be_written_is_one_line_before_ray(args, expected):
