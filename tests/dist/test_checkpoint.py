@@ -203,7 +203,9 @@ def test_resume_from_an_explicit_checkpoint_and_a_bad_one(tmp_path, uninterrupte
 
     with pytest.raises(ConfigError, match="checkpoint.resume_from: no checkpoint directory at"):
         train.run(cfg_for(tmp_path, "x", f"checkpoint.resume_from={tmp_path}/nope"))
-    with pytest.raises(ConfigError, match="checkpoint.resume_from: .* holds a checkpoint of the model digits_cnn/default, "):
+    with pytest.raises(
+        ConfigError, match="checkpoint.resume_from: .* holds a checkpoint of the model digits_cnn/default, "
+    ):
         train.run(cfg_for(tmp_path, "other-model", f"checkpoint.resume_from={source}", "model.name=mlp"))
     assert not (tmp_path / "other-model").exists() or not list((tmp_path / "other-model").glob("checkpoint_*"))
 
@@ -300,31 +302,21 @@ def test_cli_lists_and_exports(tmp_path, uninterrupted):
         timeout=120,
     )
     assert bad.returncode == 2 and "no manifest" in bad.stderr and "Traceback" not in bad.stderr
-    for unwritable in ("/proc/rayjobs-export.pt", "/proc/rayjobs-export.safetensors"):  # not writable, even by root
-        bad = subprocess.run(
-            [sys.executable, "-m", "rayjobs", "export", uninterrupted["checkpoint"], "--out", unwritable],
-            cwd=REPO,
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+
+    def refused_export(out: str) -> str:
+        """The one line `rayjobs export --out OUT` ends with when it cannot write there."""
+        cmd = [sys.executable, "-m", "rayjobs", "export", uninterrupted["checkpoint"], "--out", out]
+        bad = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-        assert bad.stderr.strip().splitlines()[-1] == (
+        return bad.stderr.strip().splitlines()[-1]
+
+    for unwritable in ("/proc/rayjobs-export.pt", "/proc/rayjobs-export.safetensors"):  # not writable, even by root
+        assert refused_export(unwritable) == (
             "rayjobs: error: export: --out: /proc is not writable (No such file or directory); "
             "give a directory you can write to"
         )
     long_name = tmp_path / ("w" * 300 + ".pt")  # the directory is writable, the file cannot be made
-    bad = subprocess.run(
-        [sys.executable, "-m", "rayjobs", "export", uninterrupted["checkpoint"], "--out", str(long_name)],
-        cwd=REPO,
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-    assert bad.stderr.strip().splitlines()[-1] == (
+    assert refused_export(str(long_name)) == (
         f"rayjobs: error: export: cannot write {long_name}: File name too long; "
         "give a path in a directory you can write to"
     )

@@ -79,7 +79,9 @@ def _eval_set() -> TensorDataset:
 
 def _model(cfg, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
-    return build_model(cfg.model.name, cfg.model.flavor, cfg.model.kwargs, data_info(cfg.data.name, cfg.data.kwargs)).double()
+    return build_model(
+        cfg.model.name, cfg.model.flavor, cfg.model.kwargs, data_info(cfg.data.name, cfg.data.kwargs)
+    ).double()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
