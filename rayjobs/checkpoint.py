@@ -807,17 +807,18 @@ def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "
     out = Path(out)
     # Written beside the target and renamed into place: a failed write leaves an earlier export whole.
     partial = out.with_name(f".{out.name}.partial")
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(partial, "wb") as f:  # an unwritable place fails here, with the OS's reason
             if out.suffix != ".safetensors":
                 torch.save(weights, f)
-        if out.suffix == ".safetensors":
-            from safetensors.torch import save_file
-
+        if out.suffix == ".safetensors":  # safetensors writes the file itself
             save_file(weights, str(partial))
         os.replace(partial, out)
-    except Exception as exc:  # OSError; torch and safetensors raise their own types for a failed write
+    except (OSError, RuntimeError, SafetensorError) as exc:  # torch's writer raises RuntimeError (a full disk)
         with contextlib.suppress(OSError):
             partial.unlink(missing_ok=True)
         reason = getattr(exc, "strerror", None) or str(exc).strip().splitlines()[-1]

@@ -434,12 +434,12 @@ def format_summary(summary: dict[str, Any]) -> str:
 def write_summary(summary: dict[str, Any], path: str) -> None:
     """Write the run summary as JSON (keys: run_name, storage_path, checkpoint, mlflow_run_id,
     wall_s, samples_per_s, metrics)."""
-    partial = f"{path}.partial"
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(partial, "w") as f:
-            json.dump(summary, f, indent=2, sort_keys=True)
-        os.replace(partial, path)
+    from rayjobs.storage.local import LocalStore
+
+    target = os.path.abspath(path)
+    try:  # through a temporary file and a rename: a failed write keeps an earlier summary whole
+        text = json.dumps(summary, indent=2, sort_keys=True)
+        LocalStore(os.path.dirname(target)).write_bytes(os.path.basename(target), text.encode())
     except OSError as exc:
         raise ConfigError(f"--summary: cannot write {path}: {exc.strerror or exc}") from None
 
