@@ -6,7 +6,8 @@ entered, data ready, model ready, first step done) and turns them into phases:
 
     driver      the driver's Python start, imports and the checks before Ray
     ray         ``ray.init`` (0 in local mode, or on a Ray that was already up)
-    mlflow      the MLflow run made for this run (and a small streamed dataset's val and test read once)
+    mlflow      the MLflow run made for this run, beyond Ray's start where the two overlap (a local
+                Ray), and a small streamed dataset's val and test read once
     workers     ``fit()`` to the worker's process start: Train controller, placement group, actor
     imports     the worker's process start to the train function: imports, process group
     data        this rank's data

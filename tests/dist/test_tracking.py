@@ -11,7 +11,7 @@ import urllib.request
 import numpy as np
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, run_cli
 
 from rayjobs import tracking, train
 from rayjobs.config import load_config
@@ -249,3 +249,20 @@ def test_a_crash_loses_no_metric_and_the_rerun_continues_the_same_run(tmp_path):
     assert [r.info.run_id for r in runs] == [summary["mlflow_run_id"]]
     assert _steps(c, runs[0].info.run_id, "train/step_loss") == list(range(5, 117, 5))
     assert runs[0].data.tags[ATTEMPT_TAG] == "2"
+
+
+def test_a_ray_that_fails_to_start_ends_the_mlflow_run_made_beside_it(tmp_path):
+    """A local Ray starts while the run's MLflow run is made; when Ray's start fails (here its temp
+    directory cannot be made), that MLflow run ends FAILED with the run's key, never left RUNNING,
+    and the user gets one line naming the path."""
+    proc = run_cli(
+        "train", "--set", "training.epochs=1", cwd=tmp_path, env={"RAY_TMPDIR": "/proc/no-such-dir"}, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "rayjobs: error: /proc/no-such-dir: No such file or directory; check the path"
+    ), proc.stderr[-3000:]
+    c, runs = _runs(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}", "rayjobs")
+    assert [(r.data.tags[RUN_KEY_TAG], r.info.status) for r in runs] == [
+        (str(tmp_path / "results" / "digits-ddp"), "FAILED")
+    ]
