@@ -20,11 +20,15 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def local_cluster():
+def local_cluster(request):
+    """The autoscaling cluster of `rayjobs cluster up`, token auth on; its temp dir (Ray's session
+    logs, about 6 MB) is removed after it, and kept where a test of the module failed."""
     import os
     import secrets
+    import shutil
     import tempfile
 
+    failed_before = request.session.testsfailed
     token = secrets.token_hex(16)
     saved = dict(os.environ)
     # `ray start` and the autoscaler it runs inherit the token. This process watches the cluster
@@ -39,6 +43,10 @@ def local_cluster():
         cluster.down(started)
         os.environ.clear()
         os.environ.update(saved)
+        if request.session.testsfailed == failed_before:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        else:
+            print(f"the cluster's logs are kept in {temp_dir}")
 
 
 def alive_nodes(started: cluster.LocalCluster) -> list[dict]:
