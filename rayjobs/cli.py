@@ -276,13 +276,8 @@ def _exit_without_a_final_collection() -> None:
     handler still runs (Ray's shutdown, logging's flush); only objects in reference cycles keep
     their memory to the end, and rayjobs closes its files in ``with`` blocks, not in a collection.
     """
-    global _exit_freeze_registered
-    if not _exit_freeze_registered:
-        atexit.register(gc.freeze)
-        _exit_freeze_registered = True
-
-
-_exit_freeze_registered = False
+    atexit.unregister(gc.freeze)  # once, however often main() runs in this process
+    atexit.register(gc.freeze)
 
 
 def _end_ray_log_streaming() -> None:
