@@ -75,9 +75,12 @@ class RunSection(Section):
 
 
 def plain_name(v: str) -> str:
-    """A run or search name is one directory: no '/', not '.' or '..', no control characters."""
+    """A run or search name is one directory: no '/', not '.' or '..', no control characters; and ASCII,
+    because Ray Train tags its metrics with the run's name and Ray's metrics take ASCII only."""
     if "/" in v or "\\" in v or v in (".", "..") or any(ord(c) < 32 for c in v):
         raise ValueError(f"must be a plain name without '/' (one directory), got {v!r}")
+    if not v.isascii():
+        raise ValueError(f"must be ASCII letters, digits and punctuation (Ray tags its metrics with it), got {v!r}")
     return v
 
 

@@ -113,6 +113,9 @@ def test_print_config_round_trips():
         (["data.name=synthetic", "data.kwargs.kind=tokens"], "model.name: digits_cnn needs image data"),
         (["model.name=nosuchpkg.mod:build"], "model.name: cannot import 'nosuchpkg.mod:build'"),
         (["run.name=a/b"], "run.name: must be a plain name without '/'"),
+        # Ray Train tags its metrics with the run's name, in ASCII only: a traceback in the controller before.
+        (["run.name=versuch-ü"], "run.name: must be ASCII letters, digits and punctuation"),
+        (["tune.name=suche-ü"], "tune.name: must be ASCII letters, digits and punctuation"),
         (["optim"], "--set optim: expected key=value"),
         (["optim.lr.x=1"], "--set optim.lr.x=1: optim.lr is not a section"),
     ],
