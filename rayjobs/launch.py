@@ -123,6 +123,7 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
         )
     if use_gpu and s.use_gpu is True and gpus_available == 0 and not existing_cluster():
         problems.append("scaling.use_gpu: true, but this machine has no GPU; set it to auto or false")
+    problems += resource_problems(plan, gpus_available, local=not existing_cluster())
     f = cfg.faults
     for name, rank in (("faults.kill_rank", f.kill_rank), ("faults.nan_rank", f.nan_rank)):
         if rank >= plan.world_size:
@@ -130,6 +131,58 @@ def plan_scaling(cfg: RunConfig, gpus_available: int) -> ScalingPlan:
     if problems:
         raise ConfigError(problems)
     return plan
+
+
+RAY_RESOURCES = ("CPU", "GPU", "memory")  # what a local Ray declares (besides its own node: labels)
+
+
+def resource_problems(plan: ScalingPlan, gpus_available: int, local: bool) -> list[str]:
+    """``scaling.resources_per_worker`` that Ray would refuse, or wait on for ever: a misspelled
+    resource, GPUs against ``use_gpu``, and on a local Ray what this machine does not have."""
+    problems = []
+    asked = plan.resources_per_worker
+    for key in asked:
+        canonical = next((r for r in RAY_RESOURCES if r.lower() == key.lower()), None)
+        if canonical and canonical != key:
+            problems.append(f"scaling.resources_per_worker.{key}: Ray's resource is {canonical!r}; write {canonical}")
+        elif canonical is None and local:
+            problems.append(
+                f"scaling.resources_per_worker.{key}: a local Ray has no resource {key!r} (only "
+                f"{', '.join(RAY_RESOURCES)}), so the run would wait for it for ever; remove it, or run on a "
+                "cluster whose nodes declare it"
+            )
+    gpus = asked.get("GPU", 1.0 if plan.use_gpu else 0.0)
+    if gpus > 0 and not plan.use_gpu:
+        problems.append(
+            "scaling.resources_per_worker.GPU: this run uses no GPU; set scaling.use_gpu=true, or remove GPU"
+        )
+    elif plan.use_gpu and gpus == 0:
+        problems.append(
+            "scaling.resources_per_worker.GPU: 0 with GPU workers; give it e.g. 1, or set scaling.use_gpu=false"
+        )
+    elif local and plan.use_gpu and gpus * plan.num_workers > gpus_available:
+        problems.append(
+            f"scaling.resources_per_worker.GPU: {plan.num_workers} worker(s) x {gpus:g} GPU need "
+            f"{gpus * plan.num_workers:g} GPU(s), and this machine has {gpus_available}; lower scaling.num_workers "
+            "or the GPUs per worker"
+        )
+    return problems
+
+
+def check_local_resources(plan: ScalingPlan) -> None:
+    """ConfigError where the local Ray just started cannot hold the workers (a run would wait for ever)."""
+    import ray
+
+    have = ray.cluster_resources()
+    for key, amount in plan.resources_per_worker.items():
+        need = amount * plan.num_workers
+        if key in RAY_RESOURCES and key != "CPU" and need > have.get(key, 0.0):
+            unit = 2**30 if key == "memory" else 1
+            raise ConfigError(
+                f"scaling.resources_per_worker.{key}: {plan.num_workers} worker(s) need {need / unit:g}"
+                f"{' GiB' if unit > 1 else ''} in all, and this machine's Ray has {have.get(key, 0.0) / unit:.3g}"
+                f"{' GiB' if unit > 1 else ''}: the run would wait for ever; lower it or scaling.num_workers"
+            )
 
 
 def _batch_problems(cfg: RunConfig, plan: ScalingPlan, layout_ok: bool) -> list[str]:
@@ -210,6 +263,7 @@ def init_ray(plan: ScalingPlan, streaming: bool = False, driver_cpus: float = 0.
         },
         log_to_driver=True,
     )
+    check_local_resources(plan)
 
 
 def local_ray_cpus(cpus_needed: float) -> int:

@@ -139,6 +139,19 @@ def test_a_users_data_and_task_train_under_fsdp_on_two_workers(ray_cluster, tmp_
     assert logged["test/within_half"] == pytest.approx(m["test/within_half"])
 
 
+def test_workers_that_a_local_ray_cannot_hold_are_one_error_not_a_wait(ray_cluster):
+    """A local Ray knows all it has once started: memory beyond it was a run waiting for ever."""
+    from rayjobs.errors import ConfigError
+    from rayjobs.launch import check_local_resources
+    from rayjobs.plan import ScalingPlan
+
+    have = ray_cluster.cluster_resources()["memory"]
+    check_local_resources(ScalingPlan(2, False, {"CPU": 1.0, "memory": have / 2}))
+    with pytest.raises(ConfigError, match=r"^scaling.resources_per_worker.memory: 2 worker\(s\) need .* GiB in all, "):
+        check_local_resources(ScalingPlan(2, False, {"CPU": 1.0, "memory": have}))
+    check_local_resources(ScalingPlan(8, False, {"CPU": 1.0}))  # CPUs: a local Ray is started with enough
+
+
 def test_every_process_of_our_local_ray_knows_its_cluster_beside_another_ray(ray_cluster):
     """Ray Train's placement-group cleaner asks Ray's state API about its controller; without
     RAY_ADDRESS that API picks the newest `ray start` cluster on the machine, or fails when several

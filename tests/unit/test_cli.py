@@ -172,6 +172,10 @@ GPT_DEBUG += ["--set", "data.kwargs={kind: tokens, seq_len: 16}", "--set", "scal
             ["scaling.num_workers=[2, 1]"],
             "scaling.num_workers: elastic workers are [min, max] with 1 <= min < max, got [2, 1]",
         ),
+        (  # Ray waited for a resource named 'cpu' for ever (its autoscaler said so every 30 s)
+            ["scaling.resources_per_worker={cpu: 1}"],
+            "scaling.resources_per_worker.cpu: Ray's resource is 'CPU'; write CPU",
+        ),
         (
             ["run.storage_path=s3://AKIAEXAMPLE:hunter2@bucket/runs"],
             "run.storage_path: must not carry credentials (user:secret@): set them in the environment "
@@ -184,6 +188,29 @@ def test_bad_parallel_config_is_one_line_before_ray(args, line):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [f"rayjobs: error: {line}"]
     assert "RAY_IMPORTED=False" in proc.stdout
+
+
+def test_resources_ray_would_wait_on_for_ever_are_named_before_ray():
+    from rayjobs.launch import resource_problems
+    from rayjobs.plan import ScalingPlan
+
+    def problems(workers: int, use_gpu: bool, resources: dict, gpus: int = 0, local: bool = True) -> list[str]:
+        return resource_problems(ScalingPlan(workers, use_gpu, resources), gpus, local)
+
+    assert problems(2, False, {"CPU": 1.0}) == []
+    assert problems(2, True, {"CPU": 1.0}, gpus=2) == []  # GPU: 1 per worker is implied
+    assert problems(1, False, {"Memory": 1e9}) == [
+        "scaling.resources_per_worker.Memory: Ray's resource is 'memory'; write memory"
+    ]
+    assert "a local Ray has no resource 'TPU'" in problems(1, False, {"TPU": 1})[0]
+    assert problems(1, False, {"TPU": 1}, local=False) == []  # a cluster's nodes may declare it
+    assert problems(1, False, {"GPU": 1})[0].endswith("this run uses no GPU; set scaling.use_gpu=true, or remove GPU")
+    assert "0 with GPU workers" in problems(1, True, {"GPU": 0}, gpus=1)[0]
+    assert problems(2, True, {"GPU": 1}, gpus=1) == [
+        "scaling.resources_per_worker.GPU: 2 worker(s) x 1 GPU need 2 GPU(s), and this machine has 1; "
+        "lower scaling.num_workers or the GPUs per worker"
+    ]
+    assert problems(2, True, {"GPU": 1}, gpus=1, local=False) == []  # an autoscaler may add GPU nodes
 
 
 def _parquet_splits(root, val_columns: dict) -> None:
