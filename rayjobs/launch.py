@@ -160,7 +160,7 @@ def resource_problems(plan: ScalingPlan, gpus_available: int, local: bool) -> li
         problems.append(
             "scaling.resources_per_worker.GPU: 0 with GPU workers; give it e.g. 1, or set scaling.use_gpu=false"
         )
-    elif local and plan.use_gpu and gpus * plan.num_workers > gpus_available:
+    elif local and plan.use_gpu and gpus_available and gpus * plan.num_workers > gpus_available:  # 0: said above
         problems.append(
             f"scaling.resources_per_worker.GPU: {plan.num_workers} worker(s) x {gpus:g} GPU need "
             f"{gpus * plan.num_workers:g} GPU(s), and this machine has {gpus_available}; lower scaling.num_workers "
