@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -82,6 +83,12 @@ def plain_name(v: str) -> str:
     if not v.isascii():
         raise ValueError(f"must be ASCII letters, digits and punctuation (Ray tags its metrics with it), got {v!r}")
     return v
+
+
+def ascii_name(name: str) -> str:
+    """``name`` in ASCII for a default run name (an ``hf:`` folder may be named in any script): accents
+    dropped (``Modèle`` -> ``Modele``), other letters left out."""
+    return unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode().strip("-") or "run"
 
 
 class ModelSection(Section):
@@ -501,7 +508,7 @@ class RunConfig(Section):
             base = (
                 os.path.basename(base.rstrip("/")) if self.model.name.startswith(HF_PREFIX) else base.rsplit(".", 1)[-1]
             )
-            self.run.name = f"{base}-{self.data.name.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}"
+            self.run.name = ascii_name(f"{base}-{self.data.name.rsplit(':', 1)[-1].rsplit('.', 1)[-1]}")
         return self
 
     def _task_fits(self) -> None:

@@ -9,6 +9,9 @@ def build_tiny(hidden: int = 8) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
+build_tinÿ = build_tiny  # a callable named in Unicode (run.name's default must still be ASCII)
+
+
 def not_a_module() -> str:
     """Returns something that is not an nn.Module."""
     return "nope"

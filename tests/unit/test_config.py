@@ -25,6 +25,9 @@ def test_defaults_and_run_name():
     assert cfg.model.name == "digits_cnn" and cfg.model.flavor == "default"
     assert cfg.run.name == "digits_cnn-digits"
     assert os.path.isabs(cfg.storage_path)
+    # The default name comes from the model's callable or hf: folder, which may be named in any script;
+    # Ray Train tags its metrics with it, in ASCII only.
+    assert from_dict({"model": {"name": "user_model:build_tinÿ"}}).run.name == "build_tiny-digits"
     gpt = from_dict({"model": {"name": "gpt"}, "data": {"name": "synthetic", "kwargs": {"kind": "tokens"}}})
     assert gpt.model.flavor == "small"
 
