@@ -270,8 +270,14 @@ def example_inputs(name: str, kwargs: dict[str, Any], n: int = 4) -> tuple[DataI
         source = spec(name).load(**kwargs)
         return source.info, ray_data.first_inputs(source, kwargs, n)
     splits = load(name, kwargs)
-    rows = range(min(n, len(splits.test)))  # type: ignore[arg-type]
-    return splits.info, torch.stack([torch.as_tensor(splits.test[i][0]) for i in rows])
+    evaluation = _unless_empty(splits.test) or splits.val
+    rows = range(min(n, len(evaluation)))  # type: ignore[arg-type]
+    return splits.info, torch.stack([torch.as_tensor(evaluation[i][0]) for i in rows])
+
+
+def _unless_empty(dataset: Any) -> Any:
+    """``dataset``, or None where it holds no row (``test_fraction=0``: a run without test metrics)."""
+    return None if dataset is None or len(dataset) == 0 else dataset
 
 
 def train_rows(name: str, kwargs: dict[str, Any]) -> int:
@@ -407,7 +413,7 @@ class TrainingData:
             self.steps_per_epoch = per_worker // micro_batch // accum
         else:
             splits = load(name, kwargs)
-            self.info, self.val, self.test = splits.info, splits.val, splits.test
+            self.info, self.val, self.test = splits.info, splits.val, _unless_empty(splits.test)
             self.loader = shard_loader(splits.train, micro_batch, shard, shards, seed)
             self.steps_per_epoch = len(self.loader) // accum
 

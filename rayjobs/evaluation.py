@@ -55,6 +55,10 @@ def evaluate_checkpoint(
         )
     splits = data_lib.load(cfg.data.name, cfg.data.kwargs)
     dataset = getattr(splits, split)
+    if dataset is None or len(dataset) == 0:
+        fraction = f" (data.kwargs.{split}_fraction=0)" if f"{split}_fraction" in cfg.data.kwargs else ""
+        others = ", ".join(s for s in SPLITS if s != split)
+        raise ConfigError(f"eval: the {split} split of {cfg.data.name} is empty{fraction}; pick --split {others}")
     task = tasks.build_task(cfg.task.name, cfg.task.kwargs)
     cpu = WorkerContext(0, 1, 0, torch.device("cpu"))
     metrics = stepping.evaluate(model, dataset, cfg, cpu, split, task=task)

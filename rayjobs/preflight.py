@@ -66,6 +66,7 @@ def check_data(cfg: Any) -> Any:
     from rayjobs import parallel
 
     if not data_lib.is_streaming(cfg.data.name):
+        check_validation_rows(cfg)
         return None
     from rayjobs.ray_data import DataError
 
@@ -78,6 +79,26 @@ def check_data(cfg: Any) -> Any:
         return data_lib.spec(cfg.data.name).load(**cfg.data.kwargs)
     except DataError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_validation_rows(cfg: Any) -> None:
+    """An in-memory dataset's validation split must hold a row: it picks the best checkpoint, drives early
+    stopping and Tune's metric, and an empty one failed every worker after training (an empty test split
+    only means no test metrics)."""
+    from rayjobs import data as data_lib
+
+    try:
+        val = data_lib.load(cfg.data.name, cfg.data.kwargs).val
+        empty = len(val) == 0  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a user's loader that fails says so itself (check_train_rows, the worker)
+        return
+    if empty:
+        own = "val_fraction" in (data_lib.accepted_kwargs(data_lib.spec(cfg.data.name).load) or [])
+        field, fix = ("data.kwargs.val_fraction", "set e.g. 0.1") if own else ("data.name", "return rows in it")
+        raise ConfigError(
+            f"{field}: the validation split of {cfg.data.name} is empty, and it picks the best checkpoint and "
+            f"drives early stopping; {fix}"
+        )
 
 
 def check_train_rows(

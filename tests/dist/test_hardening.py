@@ -39,6 +39,22 @@ def test_no_secret_in_anything_a_run_writes(tmp_path, monkeypatch, capfd):
     assert run.data.tags["api_key"] == "***"
 
 
+def test_a_run_without_a_test_split_trains_and_eval_names_the_empty_split(tmp_path):
+    """``test_fraction=0``: no test metrics (every worker failed after training before), and eval of
+    the empty split is one line naming the other splits."""
+    from rayjobs.errors import ConfigError
+    from rayjobs.evaluation import evaluate_checkpoint
+
+    summary = train.run(load_config(None, [*LOCAL, f"run.storage_path={tmp_path}", "data.kwargs.test_fraction=0"]))
+    metrics = summary["metrics"]
+    assert metrics["val/accuracy"] > 0.5 and not [k for k in metrics if k.startswith("test/")], metrics
+    empty = r"^eval: the test split of digits is empty \(data.kwargs.test_fraction=0\); pick --split val, train$"
+    with pytest.raises(ConfigError, match=empty):
+        evaluate_checkpoint(summary["checkpoint"])
+    val = evaluate_checkpoint(summary["checkpoint"], "val")["metrics"]["val/accuracy"]
+    assert val == pytest.approx(metrics["val/accuracy"], abs=1e-6)
+
+
 def test_credentials_in_the_tracking_uri_are_refused():
     proc = run_cli("train", "--set", "tracking.uri=http://me:hunter2@mlflow:5000")
     assert proc.returncode == 2 and "hunter2" not in proc.stderr
