@@ -592,7 +592,7 @@ def _is_import_path(name: str) -> bool:
 
 
 def _data_problems(d: DataSection) -> list[tuple[str, str]]:
-    from rayjobs.data import DATASETS, SYNTHETIC_KINDS, spec
+    from rayjobs.data import DATASETS, SYNTHETIC_KINDS, bundled_kwargs_problems, spec
 
     if _is_import_path(d.name):
         return _user_data_problems(d, spec(d.name))
@@ -604,6 +604,10 @@ def _data_problems(d: DataSection) -> list[tuple[str, str]]:
     problems = _kwargs_problems("data.kwargs", spec.load, d.kwargs, f"dataset {spec.name}")
     if spec.streaming and not d.kwargs.get("path"):
         return [("data.kwargs.path", f"data.name={d.name} reads files: set data.kwargs.path to a file or folder")]
+    if not spec.streaming and not problems:
+        typed, wrong = bundled_kwargs_problems(d.name, d.kwargs)
+        d.kwargs.update(typed)  # in place: assigning the field would validate the section again
+        problems += [(f"data.kwargs.{key}", message) for key, message in wrong]
     if spec.kind(d.kwargs) not in SYNTHETIC_KINDS:
         problems.append(
             ("data.kwargs.kind", f"must be one of {', '.join(SYNTHETIC_KINDS)}, got {spec.kind(d.kwargs)!r}")

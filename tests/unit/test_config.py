@@ -28,6 +28,8 @@ def test_defaults_and_run_name():
     # The default name comes from the model's callable or hf: folder, which may be named in any script;
     # Ray Train tags its metrics with it, in ASCII only.
     assert from_dict({"model": {"name": "user_model:build_tinÿ"}}).run.name == "build_tiny-digits"
+    typed = from_dict({"data": {"name": "synthetic", "kwargs": {"num_samples": "100", "shape": ["1", 8, 8]}}})
+    assert typed.data.kwargs == {"num_samples": 100, "shape": [1, 8, 8]}  # as the loader takes them
     gpt = from_dict({"model": {"name": "gpt"}, "data": {"name": "synthetic", "kwargs": {"kind": "tokens"}}})
     assert gpt.model.flavor == "small"
 
@@ -116,6 +118,11 @@ def test_print_config_round_trips():
         (["data.name=synthetic", "data.kwargs.kind=tokens"], "model.name: digits_cnn needs image data"),
         (["model.name=nosuchpkg.mod:build"], "model.name: cannot import 'nosuchpkg.mod:build'"),
         (["run.name=a/b"], "run.name: must be a plain name without '/'"),
+        # The bundled loaders' arguments are typed and bounded here: they failed inside the loader before.
+        (["data.kwargs.split_seed=abc"], "data.kwargs.split_seed: must be an integer, got 'abc'"),
+        (["data.kwargs.val_fraction=1.5"], "data.kwargs.val_fraction: must be >= 0 and < 1, got 1.5"),
+        (["data.name=synthetic", "data.kwargs.num_classes=0"], "data.kwargs.num_classes: must be >= 1, got 0"),
+        (["data.name=synthetic", "data.kwargs.shape=[-1, 3]"], "data.kwargs.shape: must be a list of positive"),
         # Ray Train tags its metrics with the run's name, in ASCII only: a traceback in the controller before.
         (["run.name=versuch-ü"], "run.name: must be ASCII letters, digits and punctuation"),
         (["tune.name=suche-ü"], "tune.name: must be ASCII letters, digits and punctuation"),
