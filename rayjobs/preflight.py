@@ -81,6 +81,20 @@ def check_data(cfg: Any) -> Any:
         raise ConfigError(str(exc)) from None
 
 
+def check_optimizer(cfg: Any) -> None:
+    """The optimizer must take ``optim.kwargs``: built here over a 2x2 layer, so an unknown or bad
+    argument (``betas: [0.9, 1.5]``, ``lr`` given twice) is one line before Ray, not every worker's error."""
+    from torch import nn
+
+    from rayjobs.stepping import build_optimizer
+
+    try:
+        build_optimizer(nn.Linear(2, 2), cfg)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        where = "optim.kwargs: {} cannot be built with them" if cfg.optim.kwargs else "optim.name: {} cannot be built"
+        raise ConfigError(f"{where.format(cfg.optim.name)}: {type(exc).__name__}: {exc}") from None
+
+
 def check_validation_rows(cfg: Any) -> None:
     """An in-memory dataset's validation split must hold a row: it picks the best checkpoint, drives early
     stopping and Tune's metric, and an empty one failed every worker after training (an empty test split

@@ -46,6 +46,10 @@ def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():
             "training.precision: fp16 needs a GPU",
         ),
         (["--set", "scaling.use_gpu=true"], "scaling.use_gpu: true, but this machine has no GPU"),
+        (  # every worker failed at its start before
+            ["--set", "optim.kwargs={betas: [0.9, 1.5]}"],
+            "optim.kwargs: adamw cannot be built with them: ValueError: Invalid beta parameter at index 1: 1.5",
+        ),
         (  # every worker failed after training before (KeyError: 'count')
             ["--set", "data.kwargs.val_fraction=0"],
             "data.kwargs.val_fraction: the validation split of digits is empty",
