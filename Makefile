@@ -7,8 +7,8 @@ STAMP   := $(VENV)/.installed
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_FLAGS ?=
 # Processes per run (pytest-xdist, one test module per unit of work; 1: none). The quick tiers gain
-# from 2; the Ray tiers are CPU-bound on 2 cores (Ray's own processes): 3 at once ran at a load of
-# 11, no sooner, and an elastic-run test missed its deadline.
+# from 2 (3 took 4:03 against 3:48 with 2, 2026-12-05); the Ray tiers are CPU-bound on 2 cores (Ray's
+# own processes): 3 at once ran at a load of 11, no sooner, and an elastic-run test missed its deadline.
 TEST_WORKERS ?= 1
 FAST_WORKERS ?= 2
 xdist = $(if $(filter 1,$(1)),,-n $(1) --dist loadfile --no-loadscope-reorder)
