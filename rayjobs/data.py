@@ -319,14 +319,15 @@ def _unless_empty(dataset: Any) -> Any:
     return None if dataset is None or len(dataset) == 0 else dataset
 
 
-def train_rows(name: str, kwargs: dict[str, Any]) -> int:
-    """Samples in the training split (streamed sources count rows from file metadata; ``synthetic``
-    from its kwargs, without making the data)."""
+def train_rows(name: str, kwargs: dict[str, Any], split: str = "train") -> int:
+    """Samples in the training split, or in ``split`` (streamed sources count rows from file metadata;
+    ``synthetic`` from its kwargs, without making the data)."""
     if is_streaming(name):
-        return spec(name).load(**kwargs).rows["train"]
+        return spec(name).load(**kwargs).rows.get(split, 0)
     if name == "synthetic":
-        return int(kwargs.get("num_samples", inspect.signature(synthetic).parameters["num_samples"].default))
-    return len(load(name, kwargs).train)  # type: ignore[arg-type]
+        n = int(kwargs.get("num_samples", inspect.signature(synthetic).parameters["num_samples"].default))
+        return n if split == "train" else max(1, n // 10)
+    return len(getattr(load(name, kwargs), split))  # type: ignore[arg-type]
 
 
 def is_streaming(name: str) -> bool:
