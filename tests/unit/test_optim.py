@@ -68,3 +68,49 @@ def test_an_unknown_optimizer_is_one_line(name, line):
     with pytest.raises(ConfigError) as err:
         load_config(None, [f"optim.name={name}"])
     assert str(err.value).splitlines() == [line]
+
+
+@pytest.mark.parametrize(
+    "overrides, error",
+    [
+        (["optim.kwargs={betas: [0.9, 1.5]}"], "adamw cannot be built with them: ValueError: Invalid beta parameter"),
+        (["optim.kwargs={nosuch: 1}"], "adamw cannot be built with them: TypeError: "),
+        (["optim.name=sgd", "optim.kwargs={nesterov: true, dampening: 0.5}"], "ValueError: Nesterov momentum requires a momentum"),
+        (["optim.name=torch.optim.RMSprop", "optim.kwargs={alpha: -1}"], "ValueError: Invalid alpha value: -1"),
+        (["optim.kwargs={fused: true, foreach: true}"], "RuntimeError: `fused` and `foreach` cannot be `True`"),
+        (["optim.name=user_model:lion_like", "optim.kwargs={beta: 0}"], "ValueError: Nesterov momentum requires"),
+        (["optim.kwargs={betas: [0.8, 0.9]}"], None),
+        (["optim.name=torch.optim.RMSprop", "optim.kwargs={alpha: 0.95}"], None),
+        (["optim.name=user_model:lion_like", "optim.kwargs={beta: 0.8}"], None),
+    ],
+)
+def test_the_optimizer_is_checked_on_its_arguments_before_ray(overrides, error):
+    from rayjobs.preflight import check_optimizer
+
+    cfg = load_config(None, overrides)
+    if error is None:
+        check_optimizer(cfg)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_optimizer(cfg)
+    assert len(str(err.value).splitlines()) == 1 and error in str(err.value), err.value
+    assert str(err.value).startswith("optim.kwargs: "), err.value
+
+
+def test_checking_torchs_own_optimizer_does_not_import_dynamo():
+    """A parameter makes torch import torch._dynamo (about 1 s) on the driver; torch's own optimizers
+    are checked without one. A user's optimizer is built over a layer, and that import is paid."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    probe = (
+        "import sys; from rayjobs.config import load_config; from rayjobs.preflight import check_optimizer; "
+        "check_optimizer(load_config(None, sys.argv[1:])); print('torch._dynamo' in sys.modules)"
+    )
+    for overrides, imported in [([], "False"), (["optim.name=sgd"], "False"), (["optim.name=user_model:lion_like"], "True")]:
+        out = subprocess.run(
+            [sys.executable, "-c", probe, *overrides], env=subprocess_env(), capture_output=True, text=True, timeout=60
+        )
+        assert out.stdout.strip() == imported, (overrides, out.stdout, out.stderr[-2000:])
