@@ -75,7 +75,10 @@ def test_an_unknown_optimizer_is_one_line(name, line):
     [
         (["optim.kwargs={betas: [0.9, 1.5]}"], "adamw cannot be built with them: ValueError: Invalid beta parameter"),
         (["optim.kwargs={nosuch: 1}"], "adamw cannot be built with them: TypeError: "),
-        (["optim.name=sgd", "optim.kwargs={nesterov: true, dampening: 0.5}"], "ValueError: Nesterov momentum requires a momentum"),
+        (
+            ["optim.name=sgd", "optim.kwargs={nesterov: true, dampening: 0.5}"],
+            "ValueError: Nesterov momentum requires a momentum",
+        ),
         (["optim.name=torch.optim.RMSprop", "optim.kwargs={alpha: -1}"], "ValueError: Invalid alpha value: -1"),
         (["optim.kwargs={fused: true, foreach: true}"], "RuntimeError: `fused` and `foreach` cannot be `True`"),
         (["optim.name=user_model:lion_like", "optim.kwargs={beta: 0}"], "ValueError: Nesterov momentum requires"),
@@ -109,7 +112,11 @@ def test_checking_torchs_own_optimizer_does_not_import_dynamo():
         "import sys; from rayjobs.config import load_config; from rayjobs.preflight import check_optimizer; "
         "check_optimizer(load_config(None, sys.argv[1:])); print('torch._dynamo' in sys.modules)"
     )
-    for overrides, imported in [([], "False"), (["optim.name=sgd"], "False"), (["optim.name=user_model:lion_like"], "True")]:
+    for overrides, imported in [
+        ([], "False"),
+        (["optim.name=sgd"], "False"),
+        (["optim.name=user_model:lion_like"], "True"),
+    ]:
         out = subprocess.run(
             [sys.executable, "-c", probe, *overrides], env=subprocess_env(), capture_output=True, text=True, timeout=60
         )
