@@ -52,5 +52,6 @@ register(
         flavors={"debug": {"width": 4}, "default": {"width": 32}},
         data_kinds=("image",),
         description="small CNN for 8x8 digit images",
+        ranges={"width": (1, None), "dropout": (0.0, 1.0)},
     )
 )

@@ -154,6 +154,13 @@ register(
         default_flavor="small",
         description="decoder-only transformer for next-token prediction",
         flops_per_sample=training_flops_per_sample,
+        ranges={
+            "dim": (1, None),
+            "n_layers": (1, None),
+            "n_heads": (1, None),
+            "vocab_size": (1, None),
+            "max_seq_len": (1, None),
+        },
         parallel=ParallelPlan(
             layers_attr="layers",
             tp_plan=TP_PLAN,

@@ -44,5 +44,6 @@ register(
         data_kinds=("image",),
         description="multi-layer perceptron over flattened inputs",
         flops_per_sample=_flops,
+        ranges={"hidden": (1, None), "depth": (0, None), "dropout": (0.0, 1.0)},
     )
 )

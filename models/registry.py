@@ -63,6 +63,8 @@ class ModelSpec:
     default_flavor: str = "default"
     flops_per_sample: Callable[[nn.Module, DataInfo], float] | None = None
     parallel: ParallelPlan = NO_PARALLEL_PLAN
+    # The builder's numeric arguments: key -> (lowest allowed, first not allowed; None: no limit).
+    ranges: dict[str, tuple[float, float | None]] = field(default_factory=dict)
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

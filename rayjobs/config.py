@@ -661,6 +661,12 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
         ]
     spec = get_spec(m.name)
     problems = _kwargs_problems("model.kwargs", spec.builder, m.kwargs, m.name, skip=("info",))
+    if not problems:
+        from rayjobs.typed_kwargs import typed_kwargs
+
+        typed, wrong = typed_kwargs(spec.builder, m.kwargs, spec.ranges)
+        m.kwargs.update(typed)  # in place: assigning the field would validate the section again
+        problems += [(f"model.kwargs.{key}", message) for key, message in wrong]
     if m.flavor and m.flavor not in spec.flavors:
         problems.append(("model.flavor", f"{m.name} has no flavor {m.flavor!r}; known: {' | '.join(spec.flavors)}"))
     return problems

@@ -198,34 +198,18 @@ BUNDLED_RANGES: dict[str, tuple[float, float | None]] = {
     "seq_len": (1, None),
     "vocab_size": (1, None),
 }
-_TYPE_WORDS = {float: "a number", int: "an integer", str: "a string"}
 
 
 def bundled_kwargs_problems(name: str, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """A bundled in-memory dataset's kwargs, typed as its loader takes them, and (key, problem) for each
     of the wrong type or out of range (they failed inside the loader before, in every worker)."""
-    import typing
+    from rayjobs.typed_kwargs import typed_kwargs
 
-    from pydantic import TypeAdapter, ValidationError
-
-    hints = typing.get_type_hints(DATASETS[name].load)
-    clean, problems = dict(kwargs), []
-    for key, value in kwargs.items():
-        if key not in hints:
-            continue  # an unknown argument is named by the config's own check
-        try:
-            clean[key] = TypeAdapter(hints[key]).validate_python(value)
-        except ValidationError:
-            words = _TYPE_WORDS.get(hints[key], "a list of positive integers" if key == "shape" else str(hints[key]))
-            problems.append((key, f"must be {words}, got {value!r}"))
-            continue
-        low, high = BUNDLED_RANGES.get(key, (None, None))
-        v = clean[key]
-        if low is not None and (v < low or (high is not None and v >= high)):
-            bound = f">= {low:g} and < {high:g}" if high is not None else f">= {low:g}"
-            problems.append((key, f"must be {bound}, got {value!r}"))
-        if key == "shape" and v is not None and (not v or min(v) < 1):
-            problems.append((key, f"must be a list of positive integers (one sample's shape), got {value!r}"))
+    clean, problems = typed_kwargs(DATASETS[name].load, kwargs, BUNDLED_RANGES)
+    shape = clean.get("shape")
+    if "shape" in dict(problems) or (isinstance(shape, (list, tuple)) and (not shape or min(shape) < 1)):
+        problems = [p for p in problems if p[0] != "shape"]
+        problems.append(("shape", f"must be a list of positive integers (one sample's shape), got {kwargs['shape']!r}"))
     return clean, problems
 
 

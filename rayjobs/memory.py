@@ -94,7 +94,7 @@ def estimate(cfg: RunConfig, layout: Layout, use_gpu: bool) -> MemoryEstimate:
             per_stage[s] += elements
     elements = max(per_stage)
     param_bytes = elements * 4  # fp32 master weights
-    states_per_param = {"adamw": 2, "sgd": 1 if cfg.optim.momentum else 0}[cfg.optim.name]
+    states_per_param, note = optimizer_states(cfg)
 
     local_batch = cfg.training.batch_size // max(1, layout.dp)
     if layout.pp > 1:
@@ -106,7 +106,7 @@ def estimate(cfg: RunConfig, layout: Layout, use_gpu: bool) -> MemoryEstimate:
     per_sample, per_block, block_input = activation_bytes(model, cfg, blocks)
     share = (len(block_names) / layout.pp if layout.pp > 1 else len(block_names)) / max(1, len(block_names))
     act = per_sample * share
-    note = "measured on one sample"
+    note = "measured on one sample" + note
     if cfg.parallel.activation_checkpointing != "none" and block_names:
         every = 1 if cfg.parallel.activation_checkpointing == "full" else cfg.parallel.ac_every
         wrapped = len(range(0, len(block_names), every)) * share
@@ -124,6 +124,21 @@ def estimate(cfg: RunConfig, layout: Layout, use_gpu: bool) -> MemoryEstimate:
         micro_batch=micro_batch,
         note=note,
     )
+
+
+# Tensors of optimizer state per parameter (Adam's two moments; SGD's momentum buffer).
+OPTIMIZER_STATES = {"adamw": 2, "torch.optim.Adam": 2, "torch.optim.AdamW": 2, "torch.optim.NAdam": 2,
+                    "torch.optim.RAdam": 2, "torch.optim.Adamax": 2, "torch.optim.Adagrad": 1}  # fmt: skip
+
+
+def optimizer_states(cfg: RunConfig) -> tuple[int, str]:
+    """Tensors of state the optimizer keeps per parameter, and a note when it is a guess (AdamW's 2)."""
+    o = cfg.optim
+    if o.name == "sgd":
+        return (1 if o.momentum else 0), ""
+    if o.name in OPTIMIZER_STATES:
+        return OPTIMIZER_STATES[o.name], ""
+    return 2, f", {o.name}'s state counted as AdamW's"
 
 
 def activation_bytes(model: nn.Module, cfg: RunConfig, blocks: Any) -> tuple[float, float, float]:

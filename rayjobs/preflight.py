@@ -109,6 +109,28 @@ def check_optimizer(cfg: Any) -> None:
         raise ConfigError(f"{where.format(o.name)}: {type(exc).__name__}: {exc}") from None
 
 
+def check_model_builds(cfg: Any) -> None:
+    """A registered model must build with its flavor and ``model.kwargs``: built here on the meta device (no
+    memory), so ``n_heads: 3`` for a width of 32 is one line before Ray, not every worker's error. A
+    user's or a transformers model is left to the memory estimate: it may not run on the meta device."""
+    from models import model_names
+    from rayjobs.parallel import meta_model
+
+    m = cfg.model
+    if m.name not in model_names():
+        return
+    try:
+        meta_model(cfg)
+    except Exception as exc:  # noqa: BLE001 - whatever the model's constructor raises on these arguments
+        flavor = f"flavor {m.flavor}" if m.flavor else "its default flavor"
+        given = (
+            f"model.kwargs: {m.name} cannot be built with {m.kwargs} ({flavor})"
+            if m.kwargs
+            else (f"model.flavor: {m.name} cannot be built with {flavor}")
+        )
+        raise ConfigError(f"{given}: {type(exc).__name__}: {exc}") from None
+
+
 def check_validation_rows(cfg: Any) -> None:
     """An in-memory dataset's validation split must hold a row: it picks the best checkpoint, drives early
     stopping and Tune's metric, and an empty one failed every worker after training (an empty test split

@@ -298,6 +298,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     launch.poll_reports_often()  # the trials' drivers inherit it; a bad value is one line before Ray
     plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
     preflight.check_optimizer(cfg)
+    preflight.check_model_builds(cfg)
     source = preflight.check_data(cfg)
     field = "tune.space.training.batch_size" if "training.batch_size" in cfg.tune.space else "training.batch_size"
     for batch_size in _batch_sizes(cfg):  # every batch a trial may take must fit the training split

@@ -50,6 +50,11 @@ def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():
             ["--set", "optim.kwargs={betas: [0.9, 1.5]}"],
             "optim.kwargs: adamw cannot be built with them: ValueError: Invalid beta parameter at index 1: 1.5",
         ),
+        (  # every worker failed at its start before, with the model's own error after a traceback
+            ["--config", "gpt-synthetic", "--set", "model.flavor=debug", "--set", "model.kwargs.n_heads=3"],
+            "model.kwargs: gpt cannot be built with {'n_heads': 3} (flavor debug): ValueError: dim (32) must be "
+            "divisible by n_heads (3)",
+        ),
         (  # every worker failed after training before (KeyError: 'count')
             ["--set", "data.kwargs.val_fraction=0"],
             "data.kwargs.val_fraction: the validation split of digits is empty",

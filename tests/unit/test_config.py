@@ -30,6 +30,9 @@ def test_defaults_and_run_name():
     assert from_dict({"model": {"name": "user_model:build_tinÿ"}}).run.name == "build_tiny-digits"
     typed = from_dict({"data": {"name": "synthetic", "kwargs": {"num_samples": "100", "shape": ["1", 8, 8]}}})
     assert typed.data.kwargs == {"num_samples": 100, "shape": [1, 8, 8]}  # as the loader takes them
+    model = from_dict({"model": {"name": "mlp", "kwargs": {"hidden": "64", "dropout": 0}}})
+    assert model.model.kwargs == {"hidden": 64, "dropout": 0.0}  # as the builder takes them
+    assert type(model.model.kwargs["dropout"]) is float
     gpt = from_dict({"model": {"name": "gpt"}, "data": {"name": "synthetic", "kwargs": {"kind": "tokens"}}})
     assert gpt.model.flavor == "small"
 
@@ -123,6 +126,20 @@ def test_print_config_round_trips():
         (["data.kwargs.val_fraction=1.5"], "data.kwargs.val_fraction: must be >= 0 and < 1, got 1.5"),
         (["data.name=synthetic", "data.kwargs.num_classes=0"], "data.kwargs.num_classes: must be >= 1, got 0"),
         (["data.name=synthetic", "data.kwargs.shape=[-1, 3]"], "data.kwargs.shape: must be a list of positive"),
+        # So are the registered models' arguments: they failed in the model's constructor, in every worker
+        # (width=abc as "not all arguments converted during string formatting").
+        (["model.kwargs.width=abc"], "model.kwargs.width: must be an integer, got 'abc'"),
+        (["model.kwargs.width=0"], "model.kwargs.width: must be >= 1, got 0"),
+        (["model.kwargs.dropout=1.5"], "model.kwargs.dropout: must be >= 0 and < 1, got 1.5"),
+        (["model.name=mlp", "model.kwargs.hidden=2.5"], "model.kwargs.hidden: must be an integer, got 2.5"),
+        (
+            ["model.name=gpt", "data.name=synthetic", "data.kwargs.kind=tokens", "model.kwargs.dim=-4"],
+            "model.kwargs.dim: must be >= 1, got -4",
+        ),
+        (
+            ["model.name=gpt", "data.name=synthetic", "data.kwargs.kind=tokens", "model.kwargs.vocab_size=x"],
+            "model.kwargs.vocab_size: must be an integer or null, got 'x'",
+        ),
         # Ray Train tags its metrics with the run's name, in ASCII only: a traceback in the controller before.
         (["run.name=versuch-ü"], "run.name: must be ASCII letters, digits and punctuation"),
         (["tune.name=suche-ü"], "tune.name: must be ASCII letters, digits and punctuation"),

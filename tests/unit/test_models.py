@@ -75,3 +75,20 @@ def test_models_import_nothing_from_torch_distributed():
             elif isinstance(node, ast.ImportFrom):
                 names = [node.module or ""]
             assert not any(n.startswith("torch.distributed") for n in names), f"{path.name} imports {names}"
+
+
+def test_a_registered_model_that_its_arguments_cannot_build_is_one_line_before_ray():
+    """Built on the meta device in preflight: a relation between arguments that no range states."""
+    from rayjobs import preflight
+    from rayjobs.config import load_config
+    from rayjobs.errors import ConfigError
+
+    gpt = ["model.name=gpt", "model.flavor=debug", "data.name=synthetic", "data.kwargs.kind=tokens"]
+    with pytest.raises(ConfigError) as err:
+        preflight.check_model_builds(load_config(None, [*gpt, "model.kwargs.n_heads=3"]))
+    assert str(err.value) == (
+        "model.kwargs: gpt cannot be built with {'n_heads': 3} (flavor debug): ValueError: dim (32) must be "
+        "divisible by n_heads (3)"
+    )
+    preflight.check_model_builds(load_config(None, [*gpt, "model.kwargs.n_heads=2"]))
+    preflight.check_model_builds(load_config(None, ["model.name=user_model:build_tiny", "model.flavor="]))

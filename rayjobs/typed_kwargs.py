@@ -1,0 +1,51 @@
+"""Arguments from a config typed as a function takes them: a bundled loader's or a model builder's.
+
+A value of the wrong type or out of range failed inside the loader or the model's constructor
+before, in every worker and often with torch's words (``width=abc``: "not all arguments converted
+during string formatting"). Here it is a line that names the key and what it must be.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+Ranges = dict[str, tuple[float, float | None]]  # key -> (low, high): low <= value < high (high None: no bound)
+
+_TYPE_WORDS = {float: "a number", int: "an integer", str: "a string", bool: "true or false"}
+
+
+def type_words(hint: Any) -> str:
+    """What a type hint asks for, in words: ``int | None`` -> "an integer or null"."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return f"{type_words(rest[0]) if len(rest) == 1 else hint} or null"
+    return _TYPE_WORDS.get(hint, str(hint))
+
+
+def typed_kwargs(
+    fn: Callable[..., Any], kwargs: dict[str, Any], ranges: Ranges
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """``kwargs`` converted to ``fn``'s type hints ("100" -> 100), and (key, problem) for each value of
+    the wrong type or outside ``ranges``; keys ``fn`` does not take are left to the caller."""
+    from pydantic import TypeAdapter, ValidationError
+
+    hints = typing.get_type_hints(fn)
+    clean, problems = dict(kwargs), []
+    for key, value in kwargs.items():
+        if key not in hints:
+            continue
+        try:
+            clean[key] = TypeAdapter(hints[key]).validate_python(value)
+        except ValidationError:
+            problems.append((key, f"must be {type_words(hints[key])}, got {value!r}"))
+            continue
+        low, high = ranges.get(key, (None, None))
+        v = clean[key]
+        if low is not None and v is not None and (v < low or (high is not None and v >= high)):
+            bound = f">= {low:g} and < {high:g}" if high is not None else f">= {low:g}"
+            problems.append((key, f"must be {bound}, got {value!r}"))
+    return clean, problems
