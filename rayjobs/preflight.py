@@ -113,7 +113,8 @@ def check_model_builds(cfg: Any) -> None:
     """A registered model must build with its flavor and ``model.kwargs``: built here on the meta device (no
     memory), so ``n_heads: 3`` for a width of 32 is one line before Ray, not every worker's error. A
     user's or a transformers model is left to the memory estimate: it may not run on the meta device."""
-    from models import model_names
+    from models import get_spec, model_names
+    from rayjobs.data import data_info
     from rayjobs.parallel import meta_model
 
     m = cfg.model
@@ -122,13 +123,12 @@ def check_model_builds(cfg: Any) -> None:
     try:
         meta_model(cfg)
     except Exception as exc:  # noqa: BLE001 - whatever the model's constructor raises on these arguments
-        flavor = f"flavor {m.flavor}" if m.flavor else "its default flavor"
-        given = (
-            f"model.kwargs: {m.name} cannot be built with {m.kwargs} ({flavor})"
-            if m.kwargs
-            else (f"model.flavor: {m.name} cannot be built with {flavor}")
-        )
-        raise ConfigError(f"{given}: {type(exc).__name__}: {exc}") from None
+        shape = tuple(data_info(cfg.data.name, cfg.data.kwargs).input_shape)
+        built = f"{m.name} (flavor {m.flavor or get_spec(m.name).default_flavor}{f', {m.kwargs}' if m.kwargs else ''})"
+        raise ConfigError(
+            f"{'model.kwargs' if m.kwargs else 'model.name'}: {built} cannot be built for inputs {shape} of "
+            f"data.name={cfg.data.name}: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def check_validation_rows(cfg: Any) -> None:

@@ -83,8 +83,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     preflight.check_resume_from(cfg)
     init_from = preflight.check_init_from(cfg)
     preflight.check_optimizer(cfg)
-    preflight.check_model_builds(cfg)
     source = preflight.check_data(cfg)
+    preflight.check_model_builds(cfg)  # the data's shapes size it
     local_mode = cfg.scaling.num_workers == 0
     scaling = launch.plan_scaling(cfg, launch.local_gpu_count() if local_mode else launch.cluster_gpu_count())
     preflight.check_train_rows(cfg, source, scaling.world_size)

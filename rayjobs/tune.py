@@ -296,10 +296,10 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     from rayjobs import launch
 
     launch.poll_reports_often()  # the trials' drivers inherit it; a bad value is one line before Ray
-    plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
     preflight.check_optimizer(cfg)
-    preflight.check_model_builds(cfg)
     source = preflight.check_data(cfg)
+    preflight.check_model_builds(cfg)  # the data's shapes size it; the parallel checks build it too
+    plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
     field = "tune.space.training.batch_size" if "training.batch_size" in cfg.tune.space else "training.batch_size"
     for batch_size in _batch_sizes(cfg):  # every batch a trial may take must fit the training split
         preflight.check_train_rows(cfg, source, plan.world_size, batch_size, field)

@@ -192,7 +192,9 @@ def test_bad_input_to_data_prepare(tmp_path):
     rows = "".join(f"{i},{i % 2}\n" for i in range(40))  # 28 training rows: less than the default batch of 64
     (tmp_path / "forty.csv").write_text("x,label\n" + rows)
     assert run_cli("data", "prepare", "csv", str(tmp_path / "forty.csv"), "--out", str(tmp_path / "f")).returncode == 0
-    proc = run_cli("train", "--set", "data.name=parquet", "--set", f"data.kwargs.path={tmp_path / 'f'}")
+    proc = run_cli(  # rows of one feature: an MLP (the default CNN is refused for them: test_models.py)
+        "train", "--set", "data.name=parquet", "--set", f"data.kwargs.path={tmp_path / 'f'}", "--set", "model.name=mlp"
+    )
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"rayjobs: error: training.batch_size: 64 rows a step, but {tmp_path / 'f'} holds 28 training row(s) for 2 "
         "worker(s), not one full batch; lower training.batch_size to at most 28, or give more data"

@@ -52,8 +52,8 @@ def test_bad_lr_exits_2_within_5s_naming_the_field_without_ray():
         ),
         (  # every worker failed at its start before, with the model's own error after a traceback
             ["--config", "gpt-synthetic", "--set", "model.flavor=debug", "--set", "model.kwargs.n_heads=3"],
-            "model.kwargs: gpt cannot be built with {'n_heads': 3} (flavor debug): ValueError: dim (32) must be "
-            "divisible by n_heads (3)",
+            "model.kwargs: gpt (flavor debug, {'n_heads': 3}) cannot be built for inputs (128,) of "
+            "data.name=synthetic: ValueError: dim (32) must be divisible by n_heads (3)",
         ),
         (  # every worker failed after training before (KeyError: 'count')
             ["--set", "data.kwargs.val_fraction=0"],

@@ -87,8 +87,13 @@ def test_a_registered_model_that_its_arguments_cannot_build_is_one_line_before_r
     with pytest.raises(ConfigError) as err:
         preflight.check_model_builds(load_config(None, [*gpt, "model.kwargs.n_heads=3"]))
     assert str(err.value) == (
-        "model.kwargs: gpt cannot be built with {'n_heads': 3} (flavor debug): ValueError: dim (32) must be "
-        "divisible by n_heads (3)"
+        "model.kwargs: gpt (flavor debug, {'n_heads': 3}) cannot be built for inputs (128,) of data.name=synthetic: "
+        "ValueError: dim (32) must be divisible by n_heads (3)"
     )
+    with pytest.raises(ConfigError) as err:  # a CNN over rows of 5 features (image kind: any shape)
+        preflight.check_model_builds(load_config(None, ["data.name=synthetic", "data.kwargs.shape=[5]"]))
+    assert str(err.value).startswith(
+        "model.name: digits_cnn (flavor default) cannot be built for inputs (5,) of data.name=synthetic: RuntimeError: "
+    ), err.value
     preflight.check_model_builds(load_config(None, [*gpt, "model.kwargs.n_heads=2"]))
     preflight.check_model_builds(load_config(None, ["model.name=user_model:build_tiny", "model.flavor="]))
