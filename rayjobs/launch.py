@@ -11,6 +11,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 from typing import Any
 
 from rayjobs import log, parallel
@@ -311,6 +312,7 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
     """
     import ray
 
+    check_ray_tmpdir()
     port = _free_port()
     env = {**(env_vars or {}), "RAY_ADDRESS": f"127.0.0.1:{port}"}
     # Ray Train watches for node drains (spot preemption) with an actor per run; a local Ray's one
@@ -326,6 +328,22 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
             os.environ.pop(GCS_PORT_VARIABLE, None)
         else:
             os.environ[GCS_PORT_VARIABLE] = previous
+
+
+def check_ray_tmpdir() -> None:
+    """A ``RAY_TMPDIR`` where a local Ray cannot make its session directory is named by its variable
+    (Ray's own error named only the path, which the user may not know came from there)."""
+    path = os.environ.get("RAY_TMPDIR")
+    if not path:
+        return
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):  # a real write: as root, os.access says yes to /proc
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"RAY_TMPDIR={path}: {exc.strerror or exc}; unset it or point it at a directory you can write to"
+        ) from None
 
 
 def _free_port() -> int:

@@ -254,13 +254,14 @@ def test_a_crash_loses_no_metric_and_the_rerun_continues_the_same_run(tmp_path):
 def test_a_ray_that_fails_to_start_ends_the_mlflow_run_made_beside_it(tmp_path):
     """A local Ray starts while the run's MLflow run is made; when Ray's start fails (here its temp
     directory cannot be made), that MLflow run ends FAILED with the run's key, never left RUNNING,
-    and the user gets one line naming the path."""
+    and the user gets one line naming the variable and the path."""
     proc = run_cli(
         "train", "--set", "training.epochs=1", cwd=tmp_path, env={"RAY_TMPDIR": "/proc/no-such-dir"}, timeout=120
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1] == (
-        "rayjobs: error: /proc/no-such-dir: No such file or directory; check the path"
+        "rayjobs: error: RAY_TMPDIR=/proc/no-such-dir: No such file or directory; unset it or point it at a "
+        "directory you can write to"
     ), proc.stderr[-3000:]
     c, runs = _runs(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}", "rayjobs")
     assert [(r.data.tags[RUN_KEY_TAG], r.info.status) for r in runs] == [
