@@ -815,8 +815,10 @@ def export_weights(checkpoint: str | Path, out: str | Path, trust_model: str = "
         with open(partial, "wb") as f:  # an unwritable place fails here, with the OS's reason
             if out.suffix != ".safetensors":
                 torch.save(weights, f)
-        if out.suffix == ".safetensors":  # safetensors writes the file itself
+        if out.suffix == ".safetensors":  # safetensors writes the file itself, readable by its owner only
+            mode = partial.stat().st_mode  # what the user's umask gave the file opened above
             save_file(weights, str(partial))
+            partial.chmod(mode)
         os.replace(partial, out)
     except (OSError, RuntimeError, SafetensorError) as exc:  # torch's writer raises RuntimeError (a full disk)
         with contextlib.suppress(OSError):

@@ -321,6 +321,15 @@ def test_cli_lists_and_exports(tmp_path, uninterrupted):
         "give a path in a directory you can write to"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.pt", "weights.safetensors"]  # nothing partial
+    # Both as the user's umask makes files (safetensors made its file readable by its owner only).
+    modes = {p.suffix: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes[".safetensors"] == modes[".pt"] == 0o666 & ~_umask(), modes
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_sigterm_takes_a_checkpoint_then_exits(tmp_path):
