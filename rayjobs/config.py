@@ -650,6 +650,12 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
             problems.append(("model.name", f"cannot import {m.name!r}: {type(exc).__name__}: {exc}"))
         else:
             problems += _kwargs_problems("model.kwargs", builder, m.kwargs, m.name)
+            if not problems:  # typed as the builder's hints say (a typo failed in every worker)
+                from rayjobs.typed_kwargs import typed_kwargs
+
+                typed, wrong = typed_kwargs(builder, m.kwargs, {})
+                m.kwargs.update(typed)
+                problems += [(f"model.kwargs.{key}", message) for key, message in wrong]
         if m.flavor:
             problems.append(("model.flavor", f"flavors apply to registry models only; remove it for {m.name!r}"))
         return problems

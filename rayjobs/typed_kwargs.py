@@ -7,6 +7,7 @@ during string formatting"). Here it is a line that names the key and what it mus
 
 from __future__ import annotations
 
+import inspect
 import types
 import typing
 from collections.abc import Callable
@@ -26,20 +27,41 @@ def type_words(hint: Any) -> str:
     return _TYPE_WORDS.get(hint, str(hint))
 
 
+def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    """``fn``'s parameter hints (a class's ``__init__``'s), each resolved on its own: one that names
+    what its module cannot resolve is left out, not all of them."""
+    target = inspect.unwrap(fn.__init__ if inspect.isclass(fn) else fn)
+    namespace = getattr(target, "__globals__", {})
+    hints = {}
+    for key, hint in getattr(target, "__annotations__", {}).items():
+        if isinstance(hint, str):  # `from __future__ import annotations`
+            try:
+                hint = eval(hint, namespace)  # noqa: S307 - what typing.get_type_hints does with it
+            except Exception:  # noqa: BLE001
+                continue
+        hints[key] = hint
+    return hints
+
+
 def typed_kwargs(
     fn: Callable[..., Any], kwargs: dict[str, Any], ranges: Ranges
 ) -> tuple[dict[str, Any], list[tuple[str, str]]]:
     """``kwargs`` converted to ``fn``'s type hints ("100" -> 100), and (key, problem) for each value of
-    the wrong type or outside ``ranges``; keys ``fn`` does not take are left to the caller."""
-    from pydantic import TypeAdapter, ValidationError
+    the wrong type or outside ``ranges``; keys ``fn`` does not take, and hints that are not plain
+    data (a user's ``activation: nn.Module``, a name that cannot be resolved), are left alone."""
+    from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
-    hints = typing.get_type_hints(fn)
+    hints = _hints(fn)
     clean, problems = dict(kwargs), []
     for key, value in kwargs.items():
         if key not in hints:
             continue
         try:
-            clean[key] = TypeAdapter(hints[key]).validate_python(value)
+            adapter = TypeAdapter(hints[key])
+        except (PydanticSchemaGenerationError, TypeError):
+            continue
+        try:
+            clean[key] = adapter.validate_python(value)
         except ValidationError:
             problems.append((key, f"must be {type_words(hints[key])}, got {value!r}"))
             continue

@@ -180,3 +180,12 @@ class _NotAMetric:
 def not_a_metric_task() -> _NotAMetric:
     """metric_objects() gives something that is not a torchmetrics.Metric."""
     return _NotAMetric()
+
+
+def build_with_module(
+    act: nn.Module | None = None,
+    width: "UnresolvableName" = 4,  # noqa: F821
+    depth: int = 1,
+) -> nn.Module:
+    """A builder whose hints are not plain data: its kwargs are passed as given."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10), act or nn.Identity())

@@ -140,6 +140,10 @@ def test_print_config_round_trips():
             ["model.name=gpt", "data.name=synthetic", "data.kwargs.kind=tokens", "model.kwargs.vocab_size=x"],
             "model.kwargs.vocab_size: must be an integer or null, got 'x'",
         ),
+        (
+            ["model.name=user_model:build_tiny", "model.flavor=", "model.kwargs.hidden=12a"],
+            "model.kwargs.hidden: must be an integer, got '12a'",
+        ),
         # Ray Train tags its metrics with the run's name, in ASCII only: a traceback in the controller before.
         (["run.name=versuch-ü"], "run.name: must be ASCII letters, digits and punctuation"),
         (["tune.name=suche-ü"], "tune.name: must be ASCII letters, digits and punctuation"),
@@ -170,6 +174,21 @@ def test_file_errors(tmp_path: Path):
     binary.write_bytes(bytes(range(256)))
     assert problems(path=str(binary)) == [f"--config: cannot read {binary} as a YAML config: not UTF-8 text"]
     assert problems(path=str(tmp_path))[0].startswith(f"--config: {tmp_path} is a directory; ")
+
+
+def test_a_users_builder_whose_hints_are_not_plain_data_gets_its_kwargs_as_given():
+    cfg = load_config(None, ["model.name=user_model:build_with_module", "model.flavor=", "model.kwargs.width=x"])
+    assert cfg.model.kwargs == {"width": "x"}  # its hint names what its module cannot resolve
+    cfg = load_config(None, ["model.name=user_model:build_with_module", "model.flavor=", "model.kwargs.depth=3"])
+    assert cfg.model.kwargs == {"depth": 3}  # the other hints still apply
+    from torch import nn
+
+    from rayjobs.typed_kwargs import typed_kwargs
+
+    class Net(nn.Module):
+        def __init__(self, act: nn.Module | None = None, hidden: int = 4) -> None: ...
+
+    assert typed_kwargs(Net, {"act": "relu", "hidden": "8"}, {}) == ({"act": "relu", "hidden": 8}, [])
 
 
 def test_user_model_by_import_path():
