@@ -650,12 +650,7 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
             problems.append(("model.name", f"cannot import {m.name!r}: {type(exc).__name__}: {exc}"))
         else:
             problems += _kwargs_problems("model.kwargs", builder, m.kwargs, m.name)
-            if not problems:  # typed as the builder's hints say (a typo failed in every worker)
-                from rayjobs.typed_kwargs import typed_kwargs
-
-                typed, wrong = typed_kwargs(builder, m.kwargs, {})
-                m.kwargs.update(typed)
-                problems += [(f"model.kwargs.{key}", message) for key, message in wrong]
+            problems += [] if problems else _typed_model_kwargs(m, builder, {})
         if m.flavor:
             problems.append(("model.flavor", f"flavors apply to registry models only; remove it for {m.name!r}"))
         return problems
@@ -667,15 +662,20 @@ def _model_problems(m: ModelSection) -> list[tuple[str, str]]:
         ]
     spec = get_spec(m.name)
     problems = _kwargs_problems("model.kwargs", spec.builder, m.kwargs, m.name, skip=("info",))
-    if not problems:
-        from rayjobs.typed_kwargs import typed_kwargs
-
-        typed, wrong = typed_kwargs(spec.builder, m.kwargs, spec.ranges)
-        m.kwargs.update(typed)  # in place: assigning the field would validate the section again
-        problems += [(f"model.kwargs.{key}", message) for key, message in wrong]
+    problems += [] if problems else _typed_model_kwargs(m, spec.builder, spec.ranges)
     if m.flavor and m.flavor not in spec.flavors:
         problems.append(("model.flavor", f"{m.name} has no flavor {m.flavor!r}; known: {' | '.join(spec.flavors)}"))
     return problems
+
+
+def _typed_model_kwargs(m: ModelSection, builder: Any, ranges: dict[str, Any]) -> list[tuple[str, str]]:
+    """``model.kwargs`` typed as the builder's hints say, within ``ranges`` (a typo or an impossible size
+    failed in every worker's model constructor before); converted values replace the given ones."""
+    from rayjobs.typed_kwargs import typed_kwargs
+
+    typed, wrong = typed_kwargs(builder, m.kwargs, ranges)
+    m.kwargs.update(typed)  # in place: assigning the field would validate the section again
+    return [(f"model.kwargs.{key}", message) for key, message in wrong]
 
 
 def _kwargs_problems(
