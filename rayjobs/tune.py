@@ -106,6 +106,26 @@ def space_problems(cfg: RunConfig) -> list[str]:
     return problems
 
 
+def check_model_choices(cfg: RunConfig) -> None:
+    """Each value a ``choice`` or ``grid`` gives a registered model's arguments must build it, on the
+    meta device as the base config is: ``{model.kwargs.n_heads: {choice: [3, 4]}}`` over gpt's width
+    of 32 failed the trials that drew 3, in their workers (``space_problems`` checks types and bounds)."""
+    from rayjobs import preflight
+
+    base = cfg.model_dump(mode="json", by_alias=True)
+    for path, spec in cfg.tune.space.items():
+        kind, values = next(iter(spec.items()))
+        if not path.startswith("model.") or kind not in ("choice", "grid"):
+            continue
+        for value in values:
+            trial = json.loads(json.dumps(base))
+            set_by_path(trial, path, value)
+            try:
+                preflight.check_model_builds(from_dict(trial))
+            except ConfigError as exc:
+                raise ConfigError(f"tune.space.{path}: value {value!r}: {exc}") from None
+
+
 def scheduler_problems(cfg: RunConfig) -> list[str]:
     """The scheduler's first decision must come before the end of a trial: ASHA's first rung
     (before ``tune.max_t`` or the run's length), PBT's first exploit; PBT makes its own trials."""
@@ -299,6 +319,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     preflight.check_optimizer(cfg)
     source = preflight.check_data(cfg)
     preflight.check_model_builds(cfg)  # the data's shapes size it; the parallel checks build it too
+    check_model_choices(cfg)
     plan = launch.plan_scaling(cfg, launch.cluster_gpu_count())
     field = "tune.space.training.batch_size" if "training.batch_size" in cfg.tune.space else "training.batch_size"
     for batch_size in _batch_sizes(cfg):  # every batch a trial may take must fit the training split
