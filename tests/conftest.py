@@ -40,6 +40,13 @@ def _no_leftover_process_group():
 
 TIERS = ("unit", "dist", "ray", "cluster")
 
+# gpt's debug flavor (width 32) on synthetic tokens, and what preflight says when 3 heads are asked of it.
+GPT_DEBUG_ON_TOKENS = ["model.name=gpt", "model.flavor=debug", "data.name=synthetic", "data.kwargs.kind=tokens"]
+THREE_HEADS_CANNOT_BUILD = (
+    "model.kwargs: gpt (flavor debug, {'n_heads': 3}) cannot be built for inputs (128,) of data.name=synthetic: "
+    "ValueError: dim (32) must be divisible by n_heads (3)"
+)
+
 
 # Under pytest-xdist (`make test-fast` runs `-n 2 --dist loadfile`) a module is one unit of work, so its
 # module-scoped Ray, `ray start --head` or MLflow server is started once, and the README's commands
