@@ -99,12 +99,18 @@ def check_optimizer(cfg: Any) -> None:
 
     o = cfg.optim
     torchs_own = o.name in ("adamw", "sgd") or o.name.startswith("torch.optim.")
-    over_nothing = torchs_own and not {"fused", "foreach", "differentiable"} & set(o.kwargs)
+    if torchs_own and not {"fused", "foreach", "differentiable"} & set(o.kwargs):
+        try:
+            build_optimizer(nn.Module(), cfg)
+        except ValueError as exc:
+            if str(exc) == EMPTY_PARAMETERS:
+                return
+        except Exception:  # noqa: BLE001, S110 - said below, by the build over a layer
+            pass
+    # A user's optimizer, or an error (or a torch whose empty-list message reads otherwise): over a layer.
     try:
-        build_optimizer(nn.Module() if over_nothing else nn.Linear(2, 2), cfg)
+        build_optimizer(nn.Linear(2, 2), cfg)
     except Exception as exc:  # noqa: BLE001 - whatever the optimizer (maybe a user's) raises on these arguments
-        if over_nothing and str(exc) == EMPTY_PARAMETERS:
-            return
         where = "optim.kwargs: {} cannot be built with them" if o.kwargs else "optim.name: {} cannot be built"
         raise ConfigError(f"{where.format(o.name)}: {type(exc).__name__}: {exc}") from None
 

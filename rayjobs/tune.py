@@ -90,10 +90,8 @@ def space_problems(cfg: RunConfig) -> list[str]:
         if kind == "grid" and cfg.tune.search == "optuna":
             problems.append(f"{where}: grid works with tune.search=random only; use choice with optuna")
         for value in samples:
-            trial = json.loads(json.dumps(base))
             try:
-                set_by_path(trial, path, value)
-                from_dict(trial)
+                from_dict(_with_value(base, path, value))
             except ConfigError as exc:
                 detail = "; ".join(exc.problems)
                 problems.append(f"{where}: value {value!r} does not fit the config: {detail}")
@@ -104,6 +102,13 @@ def space_problems(cfg: RunConfig) -> list[str]:
             "--set 'tune.space={optim.lr: {loguniform: [0.0005, 0.02]}}' (or --config tune-digits)"
         )
     return problems
+
+
+def _with_value(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
+    """A copy of the config ``base`` (a dict) with ``path`` set to one value of the space."""
+    trial = json.loads(json.dumps(base))
+    set_by_path(trial, path, value)
+    return trial
 
 
 def check_model_choices(cfg: RunConfig) -> None:
@@ -118,10 +123,8 @@ def check_model_choices(cfg: RunConfig) -> None:
         if not path.startswith("model.") or kind not in ("choice", "grid"):
             continue
         for value in values:
-            trial = json.loads(json.dumps(base))
-            set_by_path(trial, path, value)
             try:
-                preflight.check_model_builds(from_dict(trial))
+                preflight.check_model_builds(from_dict(_with_value(base, path, value)))
             except ConfigError as exc:
                 raise ConfigError(f"tune.space.{path}: value {value!r}: {exc}") from None
 
