@@ -203,9 +203,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``rayjobs`` console script."""
     _exit_without_a_final_collection()
     args = build_parser().parse_args(argv)
-    if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the user (model.name=my_net:build) imports
-        sys.path.append(os.getcwd())
     try:
+        _STARTED_IN.append(os.getcwd())
+        if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the user (my_net:build) imports
+            sys.path.append(os.getcwd())
         if args.command == "configs" or (args.command == "train" and args.list_configs):
             _list_configs()
         elif args.command == "train":
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rayjobs: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except OSError as exc:
+        if exc.filename is None and _working_dir_gone():
+            print(f"rayjobs: error: {_working_dir_gone()}", file=sys.stderr)
+            sys.exit(2)
         if exc.filename is None:  # not about a path the user gave: keep the traceback
             raise
         # A path no check above foresaw (a name too long to stat, a file that vanished): one line.
@@ -265,6 +269,24 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print("rayjobs: interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+_STARTED_IN: list[str] = []  # the command's working directory, while os.getcwd() could still say it
+
+
+def _working_dir_gone() -> str:
+    """What to say when this process's working directory was deleted under it ("" while it is there):
+    its os.getcwd() then fails, and so does every import that asks for it (torch's compiler does)."""
+    try:
+        os.getcwd()
+        return ""
+    except FileNotFoundError:
+        return (
+            f"the working directory {(_STARTED_IN or [os.environ.get('PWD', '')])[0]} was deleted while this command ran (under `ray "
+            "job submit`, a node that joins with the head's temp dir on the same host unpacks the job's "
+            "working_dir again over it); run from a directory that stays, or start each node of one host with "
+            "its own `ray start --temp-dir`"
+        )
 
 
 def _exit_without_a_final_collection() -> None:

@@ -110,6 +110,8 @@ def check_optimizer(cfg: Any) -> None:
     # A user's optimizer, or an error (or a torch whose empty-list message reads otherwise): over a layer.
     try:
         build_optimizer(nn.Linear(2, 2), cfg)
+    except OSError:  # the machine's (a vanished working directory), not the optimizer's arguments
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever the optimizer (maybe a user's) raises on these arguments
         where = "optim.kwargs: {} cannot be built with them" if o.kwargs else "optim.name: {} cannot be built"
         raise ConfigError(f"{where.format(o.name)}: {type(exc).__name__}: {exc}") from None
@@ -128,6 +130,8 @@ def check_model_builds(cfg: Any) -> None:
         return
     try:
         meta_model(cfg)
+    except OSError:  # the machine's (a vanished working directory), not the model's arguments
+        raise
     except Exception as exc:  # noqa: BLE001 - whatever the model's constructor raises on these arguments
         shape = tuple(data_info(cfg.data.name, cfg.data.kwargs).input_shape)
         built = f"{m.name} (flavor {m.flavor or get_spec(m.name).default_flavor}{f', {m.kwargs}' if m.kwargs else ''})"

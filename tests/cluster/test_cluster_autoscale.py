@@ -6,8 +6,11 @@ passes, and fails on storage that one node cannot see. One cluster for the modul
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -25,8 +28,6 @@ def local_cluster(request):
     logs, about 6 MB) is removed after it, and kept where a test of the module failed."""
     import os
     import secrets
-    import shutil
-    import tempfile
 
     failed_before = request.session.testsfailed
     token = secrets.token_hex(16)
@@ -267,9 +268,16 @@ def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_
         *("--set", "training.epochs=60", "--set", "checkpoint.every_steps=20", "--set", "tracking.enabled=false"),
     )
 
+    node_dirs: list[str] = []
+
     def join(name: str) -> subprocess.Popen:
+        # Its own temp dir, as another machine has its own disk: nodes of one host that share the head's
+        # unpack a job's working_dir into one folder, and a joining node's unpack (Ray's overwrite=True)
+        # deletes the folder the running driver stands in (its os.getcwd() then fails).
+        node_dirs.append(tempfile.mkdtemp(prefix="rjn-", dir="/tmp"))  # Ray's socket paths must stay short
         cmd = [f"{VENV_BIN}/ray", "start", f"--address={local_cluster.gcs_address}", "--num-cpus=1"]
         cmd += [f"--resources={json.dumps({'elastic': 1, name: 1})}", "--block", "--disable-usage-stats"]
+        cmd += [f"--temp-dir={node_dirs[-1]}"]
         out = tmp_path / f"{name}.out"
         with out.open("w") as sink:
             node = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -310,7 +318,9 @@ def test_an_elastic_run_starts_at_its_minimum_and_grows_when_a_node_joins(local_
             node.terminate()
         for node in nodes:
             node.wait(timeout=60)
-        cluster.stop_processes([r"elastic_[ab]"])
+        cluster.stop_processes([r"elastic_[ab]", *map(re.escape, node_dirs)])
+        for node_dir in node_dirs:
+            shutil.rmtree(node_dir, ignore_errors=True)
 
 
 def listeners() -> list[tuple[str, int, str]]:

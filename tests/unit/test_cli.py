@@ -286,3 +286,35 @@ def test_the_command_leaves_its_objects_to_the_os_at_exit(args, rc):
     )
     assert proc.returncode == rc, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "FROZEN_AT_EXIT=True", proc.stdout[-500:]
+
+
+VANISHING_WORKDIR = """
+import os, shutil, sys
+from rayjobs import cli, preflight
+
+built = preflight.check_model_builds
+
+def vanish_then_build(cfg):  # as a Ray node that joins on this host unpacks the job's working_dir over it
+    shutil.rmtree(os.getcwd())
+    built(cfg)
+
+preflight.check_model_builds = vanish_then_build
+cli.main(["train", "--set", "tracking.enabled=false", "--set", "run.storage_path=" + sys.argv[1]])
+"""
+
+
+def test_a_working_directory_deleted_under_the_command_is_one_line_not_the_models_fault(tmp_path):
+    """CI saw `model.name: digits_cnn ... cannot be built: FileNotFoundError` when a joining node's unpack
+    deleted the driver's directory: the model was blamed for the machine's error (torch's compiler asks
+    for os.getcwd() when it is first imported, here by the model's build on the meta device)."""
+    here = tmp_path / "job"
+    here.mkdir()
+    cmd = [sys.executable, "-c", VANISHING_WORKDIR, str(tmp_path / "results")]
+    proc = subprocess.run(cmd, cwd=here, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"rayjobs: error: the working directory {here} was deleted while this command ran (under `ray job "
+        "submit`, a node that joins with the head's temp dir on the same host unpacks the job's working_dir "
+        "again over it); run from a directory that stays, or start each node of one host with its own "
+        "`ray start --temp-dir`"
+    ]
