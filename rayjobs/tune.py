@@ -111,17 +111,26 @@ def _with_value(base: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     return trial
 
 
+# A randint over a model's argument is built at each of its integers up to this many (a few ms each);
+# a wider one at the two it can draw at its ends.
+RANDINT_BUILDS = 64
+
+
 def check_model_choices(cfg: RunConfig) -> None:
-    """Each value a ``choice`` or ``grid`` gives a registered model's arguments must build it, on the
-    meta device as the base config is: ``{model.kwargs.n_heads: {choice: [3, 4]}}`` over gpt's width
-    of 32 failed the trials that drew 3, in their workers (``space_problems`` checks types and bounds)."""
+    """Each value a ``choice``, ``grid`` or ``randint`` gives a registered model's arguments must build
+    it, on the meta device as the base config is: ``{model.kwargs.n_heads: {choice: [3, 4]}}`` (or
+    ``{randint: [1, 9]}``) over gpt's width of 32 failed the trials that drew 3, in their workers
+    (``space_problems`` checks types and bounds). A continuous range is left to those bounds."""
     from rayjobs import preflight
 
     base = cfg.model_dump(mode="json", by_alias=True)
     for path, spec in cfg.tune.space.items():
         kind, values = next(iter(spec.items()))
-        if not path.startswith("model.") or kind not in ("choice", "grid"):
+        if not path.startswith("model.") or kind not in ("choice", "grid", "randint"):
             continue
+        if kind == "randint":  # its upper bound is never drawn
+            low, high = int(values[0]), int(values[1])
+            values = list(range(low, high)) if high - low <= RANDINT_BUILDS else [low, high - 1]
         for value in values:
             try:
                 preflight.check_model_builds(from_dict(_with_value(base, path, value)))

@@ -64,6 +64,16 @@ def test_each_choice_of_a_models_arguments_must_build_it_before_ray():
         tune.check_model_choices(load_config(TUNE, [*gpt, "tune.space={model.kwargs.n_heads: {choice: [4, 3]}}"]))
     assert str(err.value) == f"tune.space.model.kwargs.n_heads: value 3: {THREE_HEADS_CANNOT_BUILD}"
     tune.check_model_choices(load_config(TUNE, [*gpt, "tune.space={model.kwargs.n_heads: {grid: [4, 2, 1]}}"]))
+    with pytest.raises(ConfigError) as err:  # its ends (1, and 4: 5 is never drawn) build; 3 between them not
+        tune.check_model_choices(load_config(TUNE, [*gpt, "tune.space={model.kwargs.n_heads: {randint: [1, 5]}}"]))
+    assert str(err.value) == f"tune.space.model.kwargs.n_heads: value 3: {THREE_HEADS_CANNOT_BUILD}"
+    tune.check_model_choices(load_config(TUNE, [*gpt, "tune.space={model.kwargs.n_heads: {randint: [1, 3]}}"]))
+    wide = f"tune.space={{model.kwargs.n_heads: {{randint: [1, {tune.RANDINT_BUILDS + 2}]}}}}"
+    with pytest.raises(ConfigError) as err:  # too wide to build at each integer: at the two ends it draws
+        tune.check_model_choices(load_config(TUNE, [*gpt, wide]))
+    drawn_last = tune.RANDINT_BUILDS + 1
+    assert str(err.value).startswith(f"tune.space.model.kwargs.n_heads: value {drawn_last}: model.kwargs: gpt")
+    assert str(err.value).endswith(f"ValueError: dim (32) must be divisible by n_heads ({drawn_last})")
     tune.check_model_choices(load_config(TUNE))  # the shipped space varies no model argument
 
 
