@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from rayjobs.errors import ConfigError
+from rayjobs.typed_kwargs import plain_types, true_or_false_for_a_number
 
 HF_PREFIX = "hf:"  # model.name: hf:<dir>, a Hugging Face model directory (models.hf)
 
@@ -26,9 +28,18 @@ DEFAULT_CONFIG = CONFIG_DIR / "digits.yaml"
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors; numbers are accepted for strings."""
+    """Base of every config section: unknown keys are errors; numbers are accepted for strings; a number
+    is finite (``lr: inf`` trained to NaN) and never a YAML ``true`` (``epochs: true`` ran 1 epoch)."""
 
-    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_true_or_false_for_a_number(cls, v: Any, info: ValidationInfo) -> Any:
+        hint = cls.model_fields[info.field_name].annotation if info.field_name in cls.model_fields else None
+        if true_or_false_for_a_number(v, hint):
+            raise PydanticCustomError("int_type" if int in plain_types(hint) else "float_type", "not a number")
+        return v
 
 
 class RunSection(Section):
@@ -880,6 +891,8 @@ def _describe(err: dict[str, Any], loc: list[str]) -> str:
         return f"must be an integer{got}"
     if kind in ("float_parsing", "float_type"):
         return f"must be a number{got}"
+    if kind == "finite_number":
+        return f"must be a finite number{got}"
     if kind in ("bool_parsing", "bool_type"):
         return f"must be true or false{got}"
     if kind in ("dict_type", "model_type", "model_attributes_type"):

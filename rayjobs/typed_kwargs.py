@@ -27,6 +27,20 @@ def type_words(hint: Any) -> str:
     return _TYPE_WORDS.get(hint, str(hint))
 
 
+def plain_types(hint: Any) -> set[Any]:
+    """The classes a hint admits at its top level (``int | Literal['auto'] | list[int]``: int, Literal, list)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return set().union(*(plain_types(a) for a in typing.get_args(hint)))
+    return {typing.get_origin(hint) or hint}
+
+
+def true_or_false_for_a_number(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is a YAML ``true``/``false`` given where ``hint`` asks for a number (pydantic
+    would take it as 1 or 0)."""
+    kinds = plain_types(hint)
+    return isinstance(value, bool) and bool not in kinds and bool(kinds & {int, float})
+
+
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     """``fn``'s parameter hints (a class's ``__init__``'s), each resolved on its own: one that names
     what its module cannot resolve is left out, not all of them."""
@@ -49,7 +63,7 @@ def typed_kwargs(
     """``kwargs`` converted to ``fn``'s type hints ("100" -> 100), and (key, problem) for each value of
     the wrong type or outside ``ranges``; keys ``fn`` does not take, and hints that are not plain
     data (a user's ``activation: nn.Module``, a name that cannot be resolved), are left alone."""
-    from pydantic import PydanticSchemaGenerationError, TypeAdapter, ValidationError
+    from pydantic import ConfigDict, PydanticSchemaGenerationError, TypeAdapter, ValidationError
 
     hints = _hints(fn)
     clean, problems = dict(kwargs), []
@@ -57,17 +71,19 @@ def typed_kwargs(
         if key not in hints:
             continue
         try:
-            adapter = TypeAdapter(hints[key])
+            adapter = TypeAdapter(hints[key], config=ConfigDict(allow_inf_nan=False))
         except (PydanticSchemaGenerationError, TypeError):
             continue
         try:
+            if true_or_false_for_a_number(value, hints[key]):
+                raise ValueError(value)
             clean[key] = adapter.validate_python(value)
-        except ValidationError:
+        except (ValidationError, ValueError):
             problems.append((key, f"must be {type_words(hints[key])}, got {value!r}"))
             continue
         low, high = ranges.get(key, (None, None))
         v = clean[key]
-        if low is not None and v is not None and (v < low or (high is not None and v >= high)):
+        if low is not None and v is not None and not (low <= v and (high is None or v < high)):
             bound = f">= {low:g} and < {high:g}" if high is not None else f">= {low:g}"
             problems.append((key, f"must be {bound}, got {value!r}"))
     return clean, problems

@@ -147,6 +147,17 @@ def test_print_config_round_trips():
         # Ray Train tags its metrics with the run's name, in ASCII only: a traceback in the controller before.
         (["run.name=versuch-ü"], "run.name: must be ASCII letters, digits and punctuation"),
         (["tune.name=suche-ü"], "tune.name: must be ASCII letters, digits and punctuation"),
+        # A number is finite and never a YAML true/false: `lr: inf` trained to NaN, `epochs: true` ran 1 epoch,
+        # and `val_fraction: nan` passed every bound (each comparison with NaN is false) to fail in the workers.
+        (["optim.lr=inf"], "optim.lr: must be a finite number, got 'inf'"),
+        (["optim.weight_decay=-inf"], "optim.weight_decay: must be a finite number, got '-inf'"),
+        (["scaling.resources_per_worker={CPU: .nan}"], "scaling.resources_per_worker.CPU: must be a finite number"),
+        (["training.epochs=true"], "training.epochs: must be an integer, got True"),
+        (["tune.time_budget_s=false"], "tune.time_budget_s: must be a number, got False"),
+        (["data.kwargs.val_fraction=nan"], "data.kwargs.val_fraction: must be a number, got 'nan'"),
+        (["data.kwargs.split_seed=true"], "data.kwargs.split_seed: must be an integer, got True"),
+        (["model.kwargs.width=true"], "model.kwargs.width: must be an integer, got True"),
+        (["model.kwargs.dropout=.nan"], "model.kwargs.dropout: must be a number, got nan"),
         (["optim"], "--set optim: expected key=value"),
         (["optim.lr.x=1"], "--set optim.lr.x=1: optim.lr is not a section"),
     ],
