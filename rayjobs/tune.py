@@ -363,7 +363,7 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
     trainable = tune.with_resources(tune.with_parameters(trial_driver, base=base, layout=layout), trial_resources)
     tuner = _tuner(cfg, layout, trainable, _max_concurrent(cfg, plan, trial_resources), steps, resume)
     before = _live_placement_groups()
-    with _ctrl_c_stops_tune() as interrupted:
+    with _a_stop_signal_stops_tune() as interrupted:
         results = tuner.fit()
     summary = _summarize(cfg, layout, results, steps, started, interrupted.is_set())
     if interrupted.is_set():
@@ -456,27 +456,31 @@ def _tuner(
 
 
 @contextlib.contextmanager
-def _ctrl_c_stops_tune() -> Iterator[threading.Event]:
-    """Ctrl-C during ``Tuner.fit``: Tune's own graceful stop (the experiment state saved once more,
-    which SIGUSR1 asks for too), and an event set that the driver reads after ``fit`` returns; Tune's
-    SIGINT handler would stop it the same way but leave no trace of why it stopped."""
+def _a_stop_signal_stops_tune() -> Iterator[threading.Event]:
+    """Ctrl-C or SIGTERM (``ray job stop``, a pod's end, ``timeout``) during ``Tuner.fit``: Tune's own
+    graceful stop (the experiment state saved once more, which SIGUSR1 asks for too), and an event set
+    that the driver reads after ``fit`` returns. Tune's SIGINT handler would stop it the same way but
+    leave no trace of why it stopped; Ray's SIGTERM handler ended the driver with no word, the search's
+    MLflow runs left RUNNING."""
     interrupted = threading.Event()
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGUSR1"):
         yield interrupted
         return
 
-    def on_ctrl_c(signum: int, frame: Any) -> None:
-        if interrupted.is_set():  # a second Ctrl-C: stop now
+    def on_stop(signum: int, frame: Any) -> None:
+        if interrupted.is_set():  # a second one: stop now
             raise KeyboardInterrupt
         interrupted.set()
         os.kill(os.getpid(), signal.SIGUSR1)
 
-    previous_handler, previous_env = signal.signal(signal.SIGINT, on_ctrl_c), os.environ.get(TUNE_SIGINT_VARIABLE)
+    previous = {sig: signal.signal(sig, on_stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_env = os.environ.get(TUNE_SIGINT_VARIABLE)
     os.environ[TUNE_SIGINT_VARIABLE] = "1"
     try:
         yield interrupted
     finally:
-        signal.signal(signal.SIGINT, previous_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if previous_env is None:
             os.environ.pop(TUNE_SIGINT_VARIABLE, None)
         else:

@@ -306,10 +306,12 @@ def test_a_search_whose_trials_all_fail_ends_its_parent_run_failed(ray_cluster, 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_ctrl_c_ends_a_search_killed_and_resumable(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_ends_a_search_killed_and_resumable(stop, tmp_path):
     """Ctrl-C in `rayjobs tune`: Tune stopped, and the driver went on to print "finished", its trials
-    "stopped early", the parent run FINISHED and exit 0. Now: one line saying how to resume, exit 130,
-    the parent and unfinished trials KILLED, and the experiment restorable."""
+    "stopped early", the parent run FINISHED and exit 0; SIGTERM (`ray job stop`, a pod's end) ended it
+    with no word and its MLflow runs RUNNING. Now both: one line saying how to resume, exit 130, the
+    parent and unfinished trials KILLED, and the experiment restorable."""
     import signal
     import time
 
@@ -323,7 +325,7 @@ def test_ctrl_c_ends_a_search_killed_and_resumable(tmp_path):
     while not list(trials.glob("*/checkpoint_*/manifest.json")) and proc.poll() is None:
         assert time.monotonic() < deadline, "no trial checkpoint within 240 s"
         time.sleep(0.5)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, stop))
     _, err = proc.communicate(timeout=180)
     lines = err.decode().strip().splitlines()
     assert proc.returncode == 130, (proc.returncode, err.decode()[-3000:])
