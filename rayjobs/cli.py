@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     _exit_without_a_final_collection()
     args = build_parser().parse_args(argv)
     try:
-        _STARTED_IN.append(os.getcwd())
+        _STARTED_IN[:] = [os.getcwd()]
         if os.getcwd() not in sys.path:  # as `python -m` does: a module beside the user (my_net:build) imports
             sys.path.append(os.getcwd())
         if args.command == "configs" or (args.command == "train" and args.list_configs):
@@ -281,8 +281,9 @@ def _working_dir_gone() -> str:
         os.getcwd()
         return ""
     except FileNotFoundError:
+        where = _STARTED_IN[0] if _STARTED_IN else os.environ.get("PWD", "")
         return (
-            f"the working directory {(_STARTED_IN or [os.environ.get('PWD', '')])[0]} was deleted while this command ran (under `ray "
+            f"the working directory {where} was deleted while this command ran (under `ray "
             "job submit`, a node that joins with the head's temp dir on the same host unpacks the job's "
             "working_dir again over it); run from a directory that stays, or start each node of one host with "
             "its own `ray start --temp-dir`"
