@@ -75,7 +75,13 @@ def space_problems(cfg: RunConfig) -> list[str]:
             if not _numbers(values, 3) or values[0] >= values[1] or values[2] <= 0:
                 problems.append(f"{where}: quniform needs [low, high, q] with low < high and q > 0, got {values!r}")
                 continue
-            samples = values[:2]
+            low, high, q = values
+            if not all(math.isclose(b / q, round(b / q)) for b in (low, high)):  # Ray's own rule, a traceback there
+                problems.append(
+                    f"{where}: quniform's low and high must be multiples of q (each draw is), got {values!r}"
+                )
+                continue
+            samples = [low, high, low + q]  # low + q: a fractional q over an integer field
         else:
             if not _numbers(values, 2):
                 problems.append(f"{where}: {kind} needs [low, high] (two numbers), got {values!r}")

@@ -48,6 +48,16 @@ TUNE = "rayjobs/configs/tune-digits.yaml"
             ["run.storage_path=s3://bucket/runs"],
             "run.storage_path: s3://bucket/runs: a search needs a filesystem path",
         ),
+        # Ray refuses bounds that are not multiples of q with a traceback; a fractional q over an integer
+        # field failed each trial in its driver (`training.epochs: must be an integer, got 3.5`).
+        (
+            ["tune.space.optim.lr.quniform=[0.001, 0.01, 0.003]"],
+            "tune.space.optim.lr: quniform's low and high must be multiples of q (each draw is), got [0.001, 0.01, 0.003]",
+        ),
+        (
+            ["tune.space.training.epochs.quniform=[1, 5, 0.5]"],
+            "tune.space.training.epochs: value 1.5 does not fit the config: training.epochs: must be an integer, got 1.5",
+        ),
     ],
 )
 def test_bad_search_spaces_are_one_line_errors(overrides, expected):
@@ -141,6 +151,15 @@ def test_a_local_searchs_ray_fits_a_trial_driver_beside_its_workers():
 
 def test_shipped_search_space_is_valid():
     assert tune.space_problems(load_config(TUNE)) == []
+
+
+def test_a_quniform_whose_bounds_are_multiples_of_q_is_valid_and_ray_takes_it():
+    """The rule above is Ray's own (floats divided with its tolerance): what passes here, Ray samples."""
+    for space in ("{optim.lr: {quniform: [0.001, 0.01, 0.001]}}", "{training.epochs: {quniform: [2, 8, 2]}}"):
+        cfg = load_config(TUNE, [f"tune.space={space}"])
+        assert tune.space_problems(cfg) == []
+        for spec in cfg.tune.space.values():
+            tune.tune_domain(spec).sample()
 
 
 def test_a_resume_with_another_config_is_refused_naming_the_changes(tmp_path):
