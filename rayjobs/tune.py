@@ -65,6 +65,9 @@ def space_problems(cfg: RunConfig) -> list[str]:
                 f"{where}: must be one mapping {{kind: values}} with kind one of {', '.join(SPACE_KINDS)}, got {spec!r}"
             )
             continue
+        if path == "tune" or path.startswith("tune."):  # read once by the search, never by a trial
+            problems.append(f"{where}: the search's own settings cannot be searched; set {path} once")
+            continue
         kind, values = next(iter(spec.items()))
         if kind in ("choice", "grid"):
             if not isinstance(values, list) or not values:

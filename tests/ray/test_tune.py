@@ -48,6 +48,11 @@ TUNE = "rayjobs/configs/tune-digits.yaml"
             ["run.storage_path=s3://bucket/runs"],
             "run.storage_path: s3://bucket/runs: a search needs a filesystem path",
         ),
+        # A trial never reads the search's own section: varying it ran the same trials without a word.
+        (
+            ["tune.space={tune.num_samples: {choice: [1, 2]}}"],
+            "tune.space.tune.num_samples: the search's own settings cannot be searched; set tune.num_samples once",
+        ),
         # Ray refuses bounds that are not multiples of q with a traceback; a fractional q over an integer
         # field failed each trial in its driver (`training.epochs: must be an integer, got 3.5`).
         (
