@@ -41,6 +41,19 @@ def true_or_false_for_a_number(value: Any, hint: Any) -> bool:
     return isinstance(value, bool) and bool not in kinds and bool(kinds & {int, float})
 
 
+def _adapter(hint: Any) -> Any:
+    """pydantic's validator for ``hint``, refusing inf and NaN; a dataclass, TypedDict or model hint
+    keeps its own config (pydantic refuses one given beside it)."""
+    from pydantic import ConfigDict, PydanticUserError, TypeAdapter
+
+    try:
+        return TypeAdapter(hint, config=ConfigDict(allow_inf_nan=False))
+    except PydanticUserError as exc:
+        if exc.code != "type-adapter-config-unused":
+            raise
+        return TypeAdapter(hint)
+
+
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
     """``fn``'s parameter hints (a class's ``__init__``'s), each resolved on its own: one that names
     what its module cannot resolve is left out, not all of them."""
@@ -63,7 +76,7 @@ def typed_kwargs(
     """``kwargs`` converted to ``fn``'s type hints ("100" -> 100), and (key, problem) for each value of
     the wrong type or outside ``ranges``; keys ``fn`` does not take, and hints that are not plain
     data (a user's ``activation: nn.Module``, a name that cannot be resolved), are left alone."""
-    from pydantic import ConfigDict, PydanticSchemaGenerationError, TypeAdapter, ValidationError
+    from pydantic import PydanticUserError, ValidationError
 
     hints = _hints(fn)
     clean, problems = dict(kwargs), []
@@ -71,8 +84,8 @@ def typed_kwargs(
         if key not in hints:
             continue
         try:
-            adapter = TypeAdapter(hints[key], config=ConfigDict(allow_inf_nan=False))
-        except (PydanticSchemaGenerationError, TypeError):
+            adapter = _adapter(hints[key])
+        except (PydanticUserError, TypeError):  # not plain data to pydantic (typing.TypedDict before 3.12, too)
             continue
         try:
             if true_or_false_for_a_number(value, hints[key]):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 import yaml
@@ -200,6 +202,31 @@ def test_a_users_builder_whose_hints_are_not_plain_data_gets_its_kwargs_as_given
         def __init__(self, act: nn.Module | None = None, hidden: int = 4) -> None: ...
 
     assert typed_kwargs(Net, {"act": "relu", "hidden": "8"}, {}) == ({"act": "relu", "hidden": 8}, [])
+
+
+@dataclasses.dataclass
+class _Block:
+    width: int = 4
+
+
+class _Shape(TypedDict):
+    rows: int
+
+
+def _build_from_structures(block: _Block, shape: _Shape, scale: float = 1.0) -> None:
+    """A user's builder whose arguments are a dataclass and a TypedDict."""
+
+
+def test_a_users_builder_with_a_dataclass_hint_gets_it_built_from_the_mapping():
+    """pydantic refuses a config beside a dataclass or TypedDict hint (ours refuses inf and NaN): such a
+    hint keeps its own, and the mapping from the YAML is typed into it as before. A `typing.TypedDict`
+    (pydantic wants typing_extensions' before Python 3.12) is passed as given: it was a traceback."""
+    from rayjobs.typed_kwargs import typed_kwargs
+
+    given = {"block": {"width": "8"}, "shape": {"rows": 2}, "scale": "0.5"}
+    clean, wrong = typed_kwargs(_build_from_structures, given, {})
+    assert (clean, wrong) == ({"block": _Block(width=8), "shape": {"rows": 2}, "scale": 0.5}, [])
+    assert typed_kwargs(_build_from_structures, {"scale": "inf"}, {})[1] == [("scale", "must be a number, got 'inf'")]
 
 
 def test_user_model_by_import_path():
