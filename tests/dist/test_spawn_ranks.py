@@ -16,7 +16,11 @@ def _count_attempt(root: str, rank: int) -> int:
     """How many times this rank has started, this one included."""
     marker = Path(root) / f"rank_{rank}.attempts"
     n = int(marker.read_text()) + 1 if marker.exists() else 1
-    marker.write_text(str(n))
+    # Written whole or not at all: the other rank's failure has the spawn kill this one, and a kill between
+    # truncating and writing left an empty file that the second attempt could not read (CI, under load).
+    staged = marker.with_suffix(f".{os.getpid()}")
+    staged.write_text(str(n))
+    os.replace(staged, marker)
     return n
 
 
