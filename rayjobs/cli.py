@@ -248,8 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"rayjobs: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except OSError as exc:
-        if exc.filename is None and _working_dir_gone():
-            print(f"rayjobs: error: {_working_dir_gone()}", file=sys.stderr)
+        gone = _working_dir_gone() if exc.filename is None else ""
+        if gone:
+            print(f"rayjobs: error: {gone}", file=sys.stderr)
             sys.exit(2)
         if exc.filename is None:  # not about a path the user gave: keep the traceback
             raise

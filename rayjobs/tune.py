@@ -466,7 +466,7 @@ def _tuner(
 
 @contextlib.contextmanager
 def _a_stop_signal_stops_tune() -> Iterator[threading.Event]:
-    """Ctrl-C or SIGTERM (``ray job stop``, a pod's end, ``timeout``) during ``Tuner.fit``: Tune's own
+    """Ctrl-C or SIGTERM to the driver (``ray job stop``, a pod's end) during ``Tuner.fit``: Tune's own
     graceful stop (the experiment state saved once more, which SIGUSR1 asks for too), and an event set
     that the driver reads after ``fit`` returns. Tune's SIGINT handler would stop it the same way but
     leave no trace of why it stopped; Ray's SIGTERM handler ended the driver with no word, the search's
