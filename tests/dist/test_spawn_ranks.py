@@ -42,9 +42,9 @@ def _raises(rank: int, world: int, port: int, root: str) -> None:
 def test_a_hung_rank_is_run_again_once_with_its_stacks_in_the_warning(tmp_path):
     with pytest.warns(
         UserWarning,
-        match=r"(?s)rank\(s\) \[1\] of _hangs_the_first_time still running after 20 s.*line \d+ in _hangs_the_first_time",
+        match=r"(?s)rank\(s\) \[1\] of _hangs_the_first_time still running after 10 s.*line \d+ in _hangs_the_first_time",
     ):
-        spawn_ranks(_hangs_the_first_time, 2, (str(tmp_path),), timeout=20)
+        spawn_ranks(_hangs_the_first_time, 2, (str(tmp_path),), timeout=10)
     assert (tmp_path / "rank_1.attempts").read_text() == "2"
 
 
