@@ -21,9 +21,26 @@ from rayjobs.errors import ConfigError, Interrupted, TrainingFailed
 from rayjobs.storage.bucket import StoreError
 
 
+def version_line() -> str:
+    """``rayjobs X (ray Y, torch Z, mlflow W, python V)``: what a bug report needs, read without importing them."""
+    from importlib import metadata
+
+    from rayjobs import __version__
+
+    def installed(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    stack = ", ".join(f"{p} {installed(p)}" for p in ("ray", "torch", "mlflow"))
+    return f"rayjobs {__version__} ({stack}, python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     parser = argparse.ArgumentParser(prog="rayjobs", description="Ray-orchestrated scalable PyTorch trainer.")
+    parser.add_argument("--version", action="version", version=version_line(), help="print the versions and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="train one run with Ray Train (TorchTrainer)")
     _add_config_args(train, "YAML config (default: the shipped digits job)", "the run summary")

@@ -90,6 +90,23 @@ def test_a_storage_path_that_cannot_be_created_is_one_line_before_ray(command, t
     assert a_file.read_text() == "not a directory"
 
 
+def test_version_names_rayjobs_and_the_stack_it_runs_on():
+    """`rayjobs --version`: one line for a bug report, printed without importing Ray or torch."""
+    import importlib.metadata as metadata
+
+    import rayjobs
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[0]
+    assert line == (
+        f"rayjobs {rayjobs.__version__} (ray {metadata.version('ray')}, torch {metadata.version('torch')}, "
+        f"mlflow {metadata.version('mlflow')}, python {sys.version.split()[0]})"
+    )
+    assert metadata.version("rayjobs") == rayjobs.__version__  # pyproject.toml and the package agree
+    assert "RAY_IMPORTED=False" in proc.stdout
+
+
 def test_bad_yaml_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("training:\n  epochs: 3\n   batch_size: 2\n")
