@@ -91,7 +91,7 @@ def test_a_storage_path_that_cannot_be_created_is_one_line_before_ray(command, t
 
 
 def test_version_names_rayjobs_and_the_stack_it_runs_on():
-    """`rayjobs --version`: one line for a bug report, printed without importing Ray or torch."""
+    """`rayjobs --version`: one line for a bug report, read from the installed packages without importing Ray."""
     import importlib.metadata as metadata
 
     import rayjobs
