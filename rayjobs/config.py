@@ -65,6 +65,8 @@ class RunSection(Section):
     def _a_path_or_an_object_store(cls, v: str) -> str:
         from rayjobs.storage.uri import check_uri, is_uri
 
+        if not v.strip():  # os.path.abspath("") is the working directory: runs landed beside the user's files
+            raise ValueError("empty; give a directory (the default is results) or an object store URI")
         if is_uri(v):
             check_uri(v)
         return v

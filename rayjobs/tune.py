@@ -45,6 +45,20 @@ def _numbers(values: Any, n: int) -> bool:
     )
 
 
+# What trial_driver sets for every trial, whatever the space says.
+SET_FOR_EACH_TRIAL = {
+    "run.name": "each trial is named by its trial id",
+    "run.storage_path": "trials live under the search's own directory",
+    "run.local_dir": "trials live under the search's own directory",
+    "tracking.enabled": "every trial logs where the search does",
+    "tracking.uri": "every trial logs to the search's MLflow store, under its parent run",
+    "tracking.run_name": "each trial's MLflow run is named <search>-<trial id>",
+    "tracking.register_as": "a trial registers no model",
+    "checkpoint.every_steps": "a trial checkpoints at each eval, training.eval_every",
+    "checkpoint.every_epochs": "a trial checkpoints at each eval, training.eval_every",
+}
+
+
 def space_problems(cfg: RunConfig) -> list[str]:
     """One line per problem in ``tune.space`` (paths, kinds, bounds, value types)."""
     problems = []
@@ -67,6 +81,10 @@ def space_problems(cfg: RunConfig) -> list[str]:
             continue
         if path == "tune" or path.startswith("tune."):  # read once by the search, never by a trial
             problems.append(f"{where}: the search's own settings cannot be searched; set {path} once")
+            continue
+        owned = [why for key, why in SET_FOR_EACH_TRIAL.items() if key == path or key.startswith(f"{path}.")]
+        if owned:  # trial_driver overwrites them: the search would have run the same trials without a word
+            problems.append(f"{where}: the search sets it for each trial ({owned[0]}); remove it from tune.space")
             continue
         kind, values = next(iter(spec.items()))
         if kind in ("choice", "grid"):

@@ -53,6 +53,18 @@ TUNE = "rayjobs/configs/tune-digits.yaml"
             ["tune.space={tune.num_samples: {choice: [1, 2]}}"],
             "tune.space.tune.num_samples: the search's own settings cannot be searched; set tune.num_samples once",
         ),
+        # What the search sets for each trial (its name, directory, MLflow run, checkpoint cadence) was
+        # overwritten: a space over run.name ran the same trials without a word.
+        (
+            ["tune.space={run.name: {choice: [a, b]}}"],
+            "tune.space.run.name: the search sets it for each trial (each trial is named by its trial id); "
+            "remove it from tune.space",
+        ),
+        (
+            ["tune.space.checkpoint.every_steps.choice=[5, 10]"],
+            "tune.space.checkpoint.every_steps: the search sets it for each trial (a trial checkpoints at each eval",
+        ),
+        (["tune.space={tracking: {choice: [{}]}}"], "tune.space.tracking: the search sets it for each trial"),
         # Ray refuses bounds that are not multiples of q with a traceback; a fractional q over an integer
         # field failed each trial in its driver (`training.epochs: must be an integer, got 3.5`).
         (

@@ -123,6 +123,8 @@ def test_print_config_round_trips():
         (["data.name=synthetic", "data.kwargs.kind=tokens"], "model.name: digits_cnn needs image data"),
         (["model.name=nosuchpkg.mod:build"], "model.name: cannot import 'nosuchpkg.mod:build'"),
         (["run.name=a/b"], "run.name: must be a plain name without '/'"),
+        # An empty path was the working directory: the run's files landed among the user's own.
+        (["run.storage_path="], "run.storage_path: empty; give a directory (the default is results) or an object"),
         # The bundled loaders' arguments are typed and bounded here: they failed inside the loader before.
         (["data.kwargs.split_seed=abc"], "data.kwargs.split_seed: must be an integer, got 'abc'"),
         (["data.kwargs.val_fraction=1.5"], "data.kwargs.val_fraction: must be >= 0 and < 1, got 1.5"),
