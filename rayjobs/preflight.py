@@ -322,7 +322,7 @@ def _latest_model_version(client: Any, name: str) -> Any:
 
 def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
     """Print what one rank will hold (parameters, gradients, optimizer state, activations); return the total."""
-    from models.registry import NotAModule
+    from models.registry import NotAModule, is_import_path
     from rayjobs import log, parallel
     from rayjobs.memory import estimate
 
@@ -332,7 +332,39 @@ def memory_estimate(cfg: Any, world_size: int, use_gpu: bool) -> float | None:
     except NotAModule as exc:  # on any device: say so before Ray starts, not in every worker
         raise ConfigError(f"model.name: {exc}; the callable must build and return the model") from None
     except Exception as exc:  # noqa: BLE001 - a user's model may not run on the meta device
+        if is_import_path(cfg.model.name):
+            check_users_model_on_the_cpu(cfg)
         log.note(f"no memory estimate ({cfg.model.name} does not run on the meta device: {exc})")
         return None
     log.note(est.format(layout))
     return est.total
+
+
+def check_users_model_on_the_cpu(cfg: Any) -> None:
+    """A user's model that failed on the meta device is built on the CPU and run on one sample (eval
+    mode, no gradients). Where it fails there too, its arguments or its data's shape are wrong: one
+    line before Ray, where it was a traceback from every worker. Where it works, the meta device was
+    the trouble, and the run goes on without a memory estimate."""
+    import torch
+
+    from models import build_model
+    from rayjobs.data import data_info
+
+    m, data = cfg.model, cfg.data
+    info = data_info(data.name, data.kwargs)
+    called = f"{m.name}({', '.join(f'{k}={v!r}' for k, v in m.kwargs.items())})"
+    try:
+        model = build_model(m.name, m.flavor, m.kwargs, info)
+    except Exception as exc:  # noqa: BLE001 - whatever the user's builder raises on these arguments
+        field = "model.kwargs" if m.kwargs else "model.name"
+        raise ConfigError(f"{field}: {called} fails: {type(exc).__name__}: {exc}") from None
+    x = torch.zeros((1, *info.input_shape), dtype=torch.long if info.kind == "tokens" else torch.float32)
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:  # noqa: BLE001 - the user's forward on the data's shape
+        raise ConfigError(
+            f"model.name: {called} fails on one sample of data.name={data.name} (inputs {tuple(info.input_shape)}): "
+            f"{type(exc).__name__}: {exc}"
+        ) from None

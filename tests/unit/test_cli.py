@@ -278,6 +278,29 @@ def test_bad_data_is_one_line_before_ray(tmp_path):
         assert "RAY_IMPORTED=False" in proc.stdout
 
 
+def test_a_users_model_that_cannot_build_or_take_its_data_is_one_line_before_ray():
+    """A user's model that fails on the meta device is tried on the CPU with one sample: bad arguments
+    or inputs of the wrong shape were a traceback from every worker, now one line before Ray."""
+    user = ["--set", "model.name=user_model:build_tiny", "--set", "model.flavor="]
+    cases = [
+        (
+            ["--set", "model.kwargs.hidden=-3"],
+            "model.kwargs: user_model:build_tiny(hidden=-3) fails: RuntimeError: Trying to create tensor with "
+            "negative dimension -3: [-3, 64]",
+        ),
+        (
+            ["--set", "data.name=synthetic", "--set", "data.kwargs.shape=[3, 4, 4]"],
+            "model.name: user_model:build_tiny() fails on one sample of data.name=synthetic (inputs (3, 4, 4)): "
+            "RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x48 and 64x8)",
+        ),
+    ]
+    for args, line in cases:
+        proc = run_cli("train", *user, *args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [f"rayjobs: error: {line}"]
+        assert "RAY_IMPORTED=False" in proc.stdout
+
+
 def test_cluster_up_with_a_cloud_yaml_is_one_line():
     proc = run_cli("cluster", "up", "--config", "cluster/aws.yaml", cwd=REPO)
     assert proc.returncode == 2, proc.stderr[-2000:]
