@@ -775,6 +775,28 @@ def find_config(path: str | os.PathLike[str]) -> Path:
     return p
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    problem=f"{key!r} is given twice in one mapping (first at line {seen[key]}); keep one",
+                    problem_mark=key_node.start_mark,
+                )
+            if isinstance(key, (str, int, float, bool)):
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load``, but a key given twice in a mapping is a ``yaml.YAMLError``."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a config file into a dict; a missing file or bad YAML is a ConfigError."""
     p = Path(path)
@@ -784,7 +806,7 @@ def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         shipped = ", ".join(shipped_configs())
         raise ConfigError(f"--config: no file {path} and no shipped config of that name; shipped: {shipped}")
     try:
-        raw = yaml.safe_load(p.read_text())
+        raw = load_yaml(p.read_text())
     except (OSError, UnicodeDecodeError) as exc:
         reason = getattr(exc, "strerror", None) or "not UTF-8 text"
         raise ConfigError(f"--config: cannot read {path} as a YAML config: {reason}") from None

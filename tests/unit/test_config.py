@@ -189,6 +189,13 @@ def test_file_errors(tmp_path: Path):
     binary.write_bytes(bytes(range(256)))
     assert problems(path=str(binary)) == [f"--config: cannot read {binary} as a YAML config: not UTF-8 text"]
     assert problems(path=str(tmp_path))[0].startswith(f"--config: {tmp_path} is a directory; ")
+    # A key given twice: PyYAML kept the last one without a word (a `name: gpt` above was dropped).
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("model:\n  name: gpt\n  flavor: debug\n  name: mlp\n")
+    assert problems(path=str(twice)) == [
+        f"config: invalid YAML in {twice} at line 4, column 3: 'name' is given twice in one mapping "
+        "(first at line 2); keep one"
+    ]
 
 
 def test_a_users_builder_whose_hints_are_not_plain_data_gets_its_kwargs_as_given():
