@@ -256,6 +256,9 @@ def init_ray(plan: ScalingPlan, streaming: bool = False, driver_cpus: float = 0.
     # Starting a worker group takes long on a loaded small machine (several trials at once):
     # Ray's 60 s default turns that into restart loops.
     os.environ.setdefault("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "300")
+    crowded = oversubscription(cpus_needed, os.cpu_count() or 1)
+    if crowded:
+        log.alert(crowded)
     start_local_ray(
         num_cpus=local_ray_cpus(cpus_needed),
         env_vars={
@@ -265,6 +268,18 @@ def init_ray(plan: ScalingPlan, streaming: bool = False, driver_cpus: float = 0.
         log_to_driver=True,
     )
     check_local_resources(plan)
+
+
+def oversubscription(cpus_needed: float, cpus: int) -> str:
+    """The warning for a local run that reserves over twice this machine's CPUs ('' when it does not): a
+    local Ray declares as many as the run needs, so it starts, but slowly (64 workers on 2 CPUs had
+    not taken a step after 5 minutes)."""
+    if cpus_needed <= 2 * cpus:
+        return ""
+    return (
+        f"this run reserves {cpus_needed:g} CPUs and this machine has {cpus}: its workers share them (about "
+        f"{cpus / cpus_needed:.2g} CPU each) and start slowly; lower scaling.num_workers, or run on a cluster (RAY_ADDRESS)"
+    )
 
 
 def local_ray_cpus(cpus_needed: float) -> int:

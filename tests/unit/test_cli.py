@@ -243,6 +243,16 @@ def test_resources_ray_would_wait_on_for_ever_are_named_before_ray():
     assert problems(2, True, {"GPU": 1}, gpus=1, local=False) == []  # an autoscaler may add GPU nodes
 
 
+def test_a_local_run_that_reserves_over_twice_the_cpus_is_warned():
+    from rayjobs.launch import oversubscription
+
+    assert oversubscription(4, 2) == "" and oversubscription(3, 2) == ""  # 2 workers + Ray Data's CPU: usual
+    assert oversubscription(64, 2) == (
+        "this run reserves 64 CPUs and this machine has 2: its workers share them (about 0.031 CPU each) and "
+        "start slowly; lower scaling.num_workers, or run on a cluster (RAY_ADDRESS)"
+    )
+
+
 def _parquet_splits(root, val_columns: dict) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
