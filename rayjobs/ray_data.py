@@ -147,10 +147,12 @@ def _split_paths(fmt: str, kw: dict[str, Any]) -> dict[str, list[str]]:
         if kw.get(f"{split}_path"):
             paths[split] = _files(kw[f"{split}_path"], fmt, f"data.kwargs.{split}_path")
     if "val" not in paths:
-        raise DataError(
-            f"data.kwargs.val_path: {fmt} data at {root} has no validation split; give val_path "
-            f"(or a {root}/val/ folder beside {root}/train/)"
+        how = (
+            f" (or a {root}/val/ folder beside {root}/train/)"
+            if os.path.isdir(root)
+            else ", a file or folder of validation rows"
         )
+        raise DataError(f"data.kwargs.val_path: {fmt} data at {root} has no validation split; give val_path{how}")
     return paths
 
 

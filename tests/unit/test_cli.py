@@ -275,6 +275,14 @@ def test_bad_data_is_one_line_before_ray(tmp_path):
             f"data.kwargs: column 'y' is not in {tmp_path / 'ds' / 'train' / 'part-0.parquet'} (columns: x, label); "
             "set data.kwargs.features / data.kwargs.label to columns it has",
         ),
+        (  # one file and no val_path: there is no train/ folder to put a val/ beside
+            [
+                "--set",
+                f"data.kwargs={{path: {tmp_path / 'ds' / 'train' / 'part-0.parquet'}, label: label, num_classes: 2}}",
+            ],
+            f"data.kwargs.val_path: parquet data at {tmp_path / 'ds' / 'train' / 'part-0.parquet'} has no validation "
+            "split; give val_path, a file or folder of validation rows",
+        ),
         (  # the val split's schema does not match train's
             ["--set", f"data.kwargs={{path: {tmp_path / 'ds'}, label: label, num_classes: 2}}"],
             f"data.kwargs: column 'label' is not in {tmp_path / 'ds' / 'val' / 'part-0.parquet'} (columns: x, digit); "
