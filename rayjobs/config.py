@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import unicodedata
 from pathlib import Path
 from typing import Any, Literal
@@ -775,26 +776,34 @@ def find_config(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last without a word)."""
+class ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader for configs and ``--set`` values, with two of YAML 1.2's answers: ``1e-4`` is a
+    number (YAML 1.1 wants ``1.0e-4``: ``loguniform: [1e-4, 1e-2]`` read as two strings), and a key given
+    twice in one mapping is an error (PyYAML kept the last without a word)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (str, int, float, bool)) and key in seen:
+            if not isinstance(key, (str, int, float, bool)):
+                continue
+            if key in seen:
                 raise yaml.constructor.ConstructorError(
                     problem=f"{key!r} is given twice in one mapping (first at line {seen[key]}); keep one",
                     problem_mark=key_node.start_mark,
                 )
-            if isinstance(key, (str, int, float, bool)):
-                seen[key] = key_node.start_mark.line + 1
+            seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
 
+ConfigLoader.add_implicit_resolver(  # a copy of SafeLoader's resolvers: yaml.safe_load is unchanged
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
 def load_yaml(text: str) -> Any:
-    """``yaml.safe_load``, but a key given twice in a mapping is a ``yaml.YAMLError``."""
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    """``yaml.safe_load`` with ``1e-4`` a number and a key given twice a ``yaml.YAMLError`` (``ConfigLoader``)."""
+    return yaml.load(text, Loader=ConfigLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def read_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -832,7 +841,9 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     if any(not p for p in parts):
         raise ConfigError(f"--set {item}: empty part in key {key!r}")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml(text) if text.strip() else ""
+    except yaml.constructor.ConstructorError as exc:  # a key given twice
+        raise ConfigError(f"--set {item}: {exc.problem}") from None
     except yaml.YAMLError:
         value = text
     if isinstance(value, str) or _field_is_str(parts):

@@ -95,6 +95,25 @@ def test_set_values_are_typed_by_the_schema():
     assert cfg.run.name == "007" and cfg.model.kwargs == {"width": 8}
 
 
+def test_exponents_without_a_dot_are_numbers_in_files_and_sets(tmp_path: Path):
+    """YAML 1.1 reads ``1e-4`` as a string (it wants ``1.0e-4``): a search space of ``loguniform:
+    [1e-4, 1e-2]`` was refused as "two numbers, got ['1e-4', '1e-2']", and a choice trained on strings."""
+    space = "{optim.lr: {loguniform: [1e-4, 1e-2]}, optim.weight_decay: {choice: [0, 1E-5, 2.5e-3]}}"
+    cfg = load_config("tune-digits", [f"tune.space={space}"])
+    assert cfg.tune.space == {
+        "optim.lr": {"loguniform": [1e-4, 1e-2]},
+        "optim.weight_decay": {"choice": [0, 1e-5, 2.5e-3]},
+    }
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 3e-4\nrun:\n  name: '1e3'\n")
+    cfg = load_config(str(f))
+    assert cfg.optim.lr == 3e-4 and cfg.run.name == "1e3"
+    assert problems("tune.space={optim.lr: {choice: [1]}, optim.lr: {choice: [2]}}") == [
+        "--set tune.space={optim.lr: {choice: [1]}, optim.lr: {choice: [2]}}: 'optim.lr' is given twice in one "
+        "mapping (first at line 1); keep one"
+    ]
+
+
 def test_print_config_round_trips():
     cfg = load_config(None, ["optim.lr=0.01", "training.batch_size=32"])
     again = from_dict(yaml.safe_load(to_yaml(cfg)))
