@@ -241,6 +241,40 @@ def check_own_checkpoints(cfg: Any, store: Any) -> None:
     problem = incompatible_checkpoint(newest, cfg) if newest else ""
     if problem:
         raise ConfigError(problem.removeprefix("error: "))
+    if newest:
+        from rayjobs import checkpoint, log
+
+        changes = config_changes(checkpoint.saved_config(newest), cfg.model_dump(mode="json"))
+        if changes:
+            shown = ", ".join(changes[:6]) + (f" and {len(changes) - 6} more" if len(changes) > 6 else "")
+            log.note(
+                f"run {cfg.run.name} continues from {os.path.basename(newest)} with a changed config: {shown}; "
+                "a new run.name starts a new run"
+            )
+
+
+# What a run's checkpoints were trained under; its name, storage, tracking and fault drills may change freely.
+TRAINED_UNDER = ("model", "data", "task", "optim", "training", "parallel", "scaling", "checkpoint")
+
+
+def config_changes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``"optim.lr 0.003 -> 0.01"`` for each field of ``TRAINED_UNDER`` that differs between a checkpoint's
+    saved config and this start's (both ``model_dump(mode="json")``); [] for a config saved before them."""
+
+    def leaves(node: Any, prefix: str) -> dict[str, Any]:
+        if isinstance(node, dict):  # an empty mapping (no model.kwargs) has no leaves
+            return {k: v for key, value in node.items() for k, v in leaves(value, f"{prefix}.{key}").items()}
+        return {prefix: node}
+
+    changes = []
+    for section in TRAINED_UNDER:
+        if section not in saved:
+            continue
+        before, after = leaves(saved[section], section), leaves(current.get(section), section)
+        for key in sorted(set(before) | set(after)):
+            if key != "checkpoint.resume_from" and before.get(key) != after.get(key):
+                changes.append(f"{key} {before.get(key, '(unset)')} -> {after.get(key, '(unset)')}")
+    return changes
 
 
 def check_init_from(cfg: Any) -> str:

@@ -93,6 +93,14 @@ def test_rerunning_a_finished_run_trains_nothing_and_claims_no_throughput(tmp_pa
     summary = json.loads((tmp_path / "again.json").read_text())
     assert summary["samples_per_s"] == 0 and summary["metrics"]["step"] == 12
     assert "train/loss" not in summary["metrics"] and summary["metrics"]["perf/mfu"] == 0
+    assert "with a changed config" not in again.stdout, again.stdout
+    # The same name with another learning rate: it continues that run, and says so (it said nothing).
+    changed = run_cli(*command, "--set", "optim.lr=1e-2", cwd=tmp_path, timeout=120)
+    assert changed.returncode == 0, changed.stderr
+    assert (
+        "rayjobs: run digits-ddp continues from checkpoint_00000012 with a changed config: optim.lr 0.003 -> 0.01; "
+        "a new run.name starts a new run"
+    ) in changed.stdout, changed.stdout
 
 
 def test_each_async_save_holds_its_own_steps_weights_though_the_staging_copy_is_reused(tmp_path):

@@ -268,3 +268,14 @@ def test_apply_override_creates_nested_dicts():
     raw: dict = {}
     apply_override(raw, "data.kwargs.shape=[1, 4, 4]")
     assert raw == {"data": {"kwargs": {"shape": [1, 4, 4]}}}
+
+
+def test_config_changes_name_each_trained_under_field_that_differs():
+    from rayjobs.preflight import config_changes
+
+    saved = load_config(None, []).model_dump(mode="json")
+    current = load_config(
+        None, ["optim.lr=0.01", "model.kwargs.width=8", "run.name=other", "tracking.enabled=false"]
+    ).model_dump(mode="json")
+    assert config_changes(saved, current) == ["model.kwargs.width (unset) -> 8", "optim.lr 0.003 -> 0.01"]
+    assert config_changes(saved, saved) == [] and config_changes({}, current) == []
