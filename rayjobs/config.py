@@ -324,6 +324,15 @@ def reported_metric(name: str) -> str:
     return name
 
 
+def better_direction(task: Any, name: str) -> str:
+    """ "min" or "max" where the direction of ``name`` (``val/<metric>``, ``train/loss``) is known: a loss is
+    minimized, and the task's own metric goes its ``mode``; "" for any other metric."""
+    metric = name.split("/", 1)[-1]
+    if metric == task.metric:
+        return task.mode
+    return {"loss": "min", "mse": "min", "mae": "min", "rmse": "min", "accuracy": "max", "r2": "max"}.get(metric, "")
+
+
 class CheckpointSection(Section):
     model_config = ConfigDict(
         extra="forbid",
@@ -551,24 +560,40 @@ class RunConfig(Section):
                 [("task.name", f"task {task.name} needs {what[task.targets]}, but data.name={self.data.name} gives "
                   f"{what.get(targets, targets)}; pick a task for this data (or task.name=auto)")]
             )  # fmt: skip
-        if "metric" not in self.tune.model_fields_set:
-            given_mode = "mode" in self.tune.model_fields_set
-            self.tune.metric = f"val/{task.metric}"
-            if not given_mode:
-                self.tune.mode = task.mode
-        stop = self.training.early_stop
-        if stop.patience and stop.metric in ("", f"val/{task.metric}"):
-            stop.metric, stop.mode = f"val/{task.metric}", stop.mode or task.mode
-        elif stop.patience and not stop.mode:
-            raise _MultiError(
-                [("training.early_stop.mode", f"set min or max: is a lower or a higher {stop.metric} better?")]
-            )
+        self._metrics_fit(task)
+
+    def _metrics_fit(self, task: Any) -> None:
+        """Each ranked metric (checkpoints, the search, early stopping) is one the task reports and goes the
+        right way: a mode left unset follows the metric where its direction is known (``better_direction``);
+        a mode given against it is an error (the worst checkpoints were kept, the worst trial picked)."""
+        from rayjobs import tasks
+
+        tune, stop = self.tune, self.training.early_stop
+        if "metric" not in tune.model_fields_set:
+            tune.metric = f"val/{task.metric}"
+        if stop.patience and not stop.metric:
+            stop.metric = f"val/{task.metric}"
         allowed = tasks.reported(task)
-        watched = [("checkpoint.metric", self.checkpoint.metric), ("tune.metric", self.tune.metric)]
-        for path, name in watched + ([("training.early_stop.metric", stop.metric)] if stop.patience else []):
-            if name not in allowed:
+        ranked = [("checkpoint", self.checkpoint), ("tune", tune)] + (
+            [("training.early_stop", stop)] if stop.patience else []
+        )
+        for section, part in ranked:
+            if part.metric not in allowed:
                 raise _MultiError(
-                    [(path, f"task {task.name} reports {', '.join(allowed)} at every eval, not {name!r}")]
+                    [(f"{section}.metric", f"task {task.name} reports {', '.join(allowed)} at every eval, not {part.metric!r}")]
+                )  # fmt: skip
+            better = better_direction(task, part.metric)
+            if better and not ("mode" in part.model_fields_set and part.mode):
+                part.mode = better
+            elif better and part.mode != better:
+                lower = "lower" if better == "min" else "higher"
+                raise _MultiError(
+                    [(f"{section}.mode", f"{part.mode} ranks {part.metric} backwards (a {lower} "
+                      f"{part.metric.split('/', 1)[1]} is better); set {section}.mode={better}")]
+                )  # fmt: skip
+            elif not part.mode:
+                raise _MultiError(
+                    [(f"{section}.mode", f"set min or max: is a lower or a higher {part.metric} better?")]
                 )
 
     @property

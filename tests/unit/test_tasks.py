@@ -70,7 +70,6 @@ def test_a_users_task_is_checked_for_what_rayjobs_asks_of_it():
         ([], "classification", "val/accuracy", "max"),
         (["model.name=gpt", "data.name=synthetic", "data.kwargs.kind=tokens"], "lm", "val/loss", "min"),
         (["model.name=mlp", "data.name=diabetes"], "regression", "val/r2", "max"),
-        (["model.name=mlp", "data.name=diabetes", "tune.mode=min"], "regression", "val/r2", "min"),
         (
             ["model.name=mlp", "data.name=diabetes", "tune.metric=val/mae", "tune.mode=min"],
             "regression",
@@ -86,6 +85,26 @@ def test_auto_picks_the_task_from_the_data_and_the_metrics_follow_it(overrides, 
     assert (again.tune.metric, again.tune.mode) == (metric, mode)
 
 
+def test_a_mode_left_unset_follows_its_metric():
+    """A metric of known direction sets its mode: `checkpoint.metric=val/accuracy` alone kept the
+    least accurate checkpoints (mode min), and `tune.metric=val/loss` picked the worst trial (max)."""
+    cfg = load_config(None, ["checkpoint.metric=val/accuracy", "tune.metric=val/loss"])
+    assert (cfg.checkpoint.mode, cfg.tune.mode) == ("max", "min")
+    stop = load_config(None, ["training.early_stop.patience=2", "training.early_stop.metric=val/loss"])
+    assert stop.training.early_stop.mode == "min"
+    from types import SimpleNamespace
+
+    from rayjobs.config import better_direction
+
+    huber = SimpleNamespace(metric="within_half", mode="max")
+    assert [better_direction(huber, m) for m in ("val/within_half", "train/loss", "val/mae", "val/f1")] == [
+        "max",
+        "min",
+        "min",
+        "",  # unknown: early stopping on it asks for a mode
+    ]
+
+
 @pytest.mark.parametrize(
     "overrides, line",
     [
@@ -93,6 +112,13 @@ def test_auto_picks_the_task_from_the_data_and_the_metrics_follow_it(overrides, 
          "gives integer class labels; pick a task for this data (or task.name=auto)"),
         (["task.name=clasification"], "task.name: unknown task 'clasification' (did you mean 'classification'?); "
          "known: classification | lm | regression (or package.module:callable)"),
+        # A metric ranked backwards kept the worst checkpoints, or picked the worst trial, without a word.
+        (["model.name=mlp", "data.name=diabetes", "tune.mode=min"], "tune.mode: min ranks val/r2 backwards (a "
+         "higher r2 is better); set tune.mode=max"),
+        (["tune.metric=val/loss", "tune.mode=max"], "tune.mode: max ranks val/loss backwards (a lower loss is "
+         "better); set tune.mode=min"),
+        (["checkpoint.metric=val/accuracy", "checkpoint.mode=min"], "checkpoint.mode: min ranks val/accuracy "
+         "backwards (a higher accuracy is better); set checkpoint.mode=max"),
         (["model.name=mlp", "data.name=diabetes", "checkpoint.metric=val/accuracy"], "checkpoint.metric: task "
          "regression reports val/loss, val/mse, val/mae, val/r2, train/loss at every eval, not 'val/accuracy'"),
         (["data.name=user_model:two_things", "model.name=mlp"], "data.name: cannot load 'user_model:two_things': "
