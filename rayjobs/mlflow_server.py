@@ -213,6 +213,7 @@ def serve(store_dir: str, port: int, auth: bool) -> None:
             file=sys.stderr,
         )
         sys.exit(1)
+    fresh = not os.path.exists(mlflow_db(str(Path(store_dir).resolve())))
     proc = start(store_dir, port, auth=auth)
 
     def _stop(signum: int, frame: object) -> None:
@@ -222,6 +223,12 @@ def serve(store_dir: str, port: int, auth: bool) -> None:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGHUP, _stop)
         print(f"MLflow UI: http://127.0.0.1:{port}  (store: {Path(store_dir).resolve()}; Ctrl-C stops it)", flush=True)
+        if fresh:  # a mistyped --storage-path showed an empty UI without a word
+            print(
+                f"rayjobs: no runs there yet: a new, empty store; runs land in it with --set run.storage_path={store_dir} "
+                f"or --set tracking.uri=http://127.0.0.1:{port}",
+                flush=True,
+            )
         proc.wait()
     except KeyboardInterrupt:
         pass

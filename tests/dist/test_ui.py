@@ -146,6 +146,24 @@ def test_ui_on_a_busy_port_fails_in_one_line(trained):
 
 
 @pytest.mark.slow
+def test_ui_over_a_place_without_runs_says_its_store_is_new(tmp_path):
+    """A mistyped --storage-path served an empty UI without a word (the store is made, for runs to log to)."""
+    import signal
+
+    port = free_port()
+    proc = _ui(tmp_path / "nothing-here", port)
+    try:
+        assert proc.stdout.readline().startswith(f"MLflow UI: http://127.0.0.1:{port}")
+        assert proc.stdout.readline() == (
+            f"rayjobs: no runs there yet: a new, empty store; runs land in it with --set "
+            f"run.storage_path={tmp_path / 'nothing-here'} or --set tracking.uri=http://127.0.0.1:{port}\n"
+        )
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+@pytest.mark.slow
 def test_ui_auth_rotates_the_admin_password_and_keeps_its_secrets_private(tmp_path):
     import base64
     import os
