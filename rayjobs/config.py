@@ -325,8 +325,8 @@ def reported_metric(name: str) -> str:
 
 
 def better_direction(task: Any, name: str) -> str:
-    """ "min" or "max" where the direction of ``name`` (``val/<metric>``, ``train/loss``) is known: a loss is
-    minimized, and the task's own metric goes its ``mode``; "" for any other metric."""
+    """ "min" or "max" where the direction of ``name`` (``val/<metric>``, ``train/loss``) is known: the task's
+    own metric goes its ``mode``; losses and errors go down, accuracy and r2 up; "" for any other metric."""
     metric = name.split("/", 1)[-1]
     if metric == task.metric:
         return task.mode

@@ -45,12 +45,12 @@ def _numbers(values: Any, n: int) -> bool:
     )
 
 
-# What trial_driver sets for every trial, whatever the space says.
+# What the search sets for every trial, whatever the space says (trial_driver, and the store it pins).
 SET_FOR_EACH_TRIAL = {
     "run.name": "each trial is named by its trial id",
     "run.storage_path": "trials live under the search's own directory",
     "run.local_dir": "trials live under the search's own directory",
-    "tracking.enabled": "every trial logs where the search does",
+    "tracking.enabled": "the search and its trials log to MLflow together, or none does",
     "tracking.uri": "every trial logs to the search's MLflow store, under its parent run",
     "tracking.run_name": "each trial's MLflow run is named <search>-<trial id>",
     "tracking.register_as": "a trial registers no model",
