@@ -37,14 +37,16 @@ def test_prepared_digits_train_with_two_workers_like_the_bundled_path(ray_cluste
                 f"run.name={name}",
                 "scaling.num_workers=2",
                 "scaling.resources_per_worker.CPU=0.5",  # one of the 2 CPUs left for Ray Data's read tasks
-                "training.epochs=2",
+                # 4 epochs: Ray Data hands the shards' blocks to the workers in arrival order, so the
+                # streamed run's data order varies under load; after 2 it once reached 0.941 (0.981 alone).
+                "training.epochs=4",
                 "tracking.enabled=false",
                 *data,
             ],
         )
         results[name] = train.run(cfg)["metrics"]
     bundled, streamed = results["bundled"], results["parquet"]
-    assert streamed["step"] == bundled["step"] == 2 * (1257 // 2 // 32)  # equal shards, full batches
+    assert streamed["step"] == bundled["step"] == 4 * (1257 // 2 // 32)  # equal shards, full batches
     assert streamed["test/accuracy"] >= 0.9
     assert abs(streamed["test/accuracy"] - bundled["test/accuracy"]) <= 0.03, (streamed, bundled)
     assert 0 <= streamed["perf/data_wait_fraction"] <= 1
