@@ -10,7 +10,7 @@ from models.registry import DataInfo, ModelSpec, register
 class DigitsCNN(nn.Module):
     """Two 3x3 conv blocks, a pooling step and a linear classifier."""
 
-    def __init__(self, in_channels: int, num_classes: int, width: int, dropout: float) -> None:
+    def __init__(self, in_channels: int, num_classes: int, width: int, dropout: float, height: int, wide: int) -> None:
         super().__init__()
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1),
@@ -21,28 +21,22 @@ class DigitsCNN(nn.Module):
             nn.ReLU(),
             nn.MaxPool2d(2),
         )
-        self.head = nn.Sequential(
-            nn.Flatten(),
-            nn.Dropout(dropout),
-            nn.LazyLinear(4 * width),
-            nn.ReLU(),
-            nn.Linear(4 * width, num_classes),
-        )
+        classifier = nn.Linear(4 * width, num_classes)
+        # made after the classifier, as the lazy layer it replaced was, so that a seed gives the same weights
+        hidden = nn.Linear(2 * width * (height // 2) * (wide // 2), 4 * width)
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(dropout), hidden, nn.ReLU(), classifier)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(self.features(x))
 
 
 def build(info: DataInfo, width: int = 32, dropout: float = 0.1) -> nn.Module:
-    """Build a DigitsCNN sized for ``info`` (channels-first images)."""
-    import torch
-
-    model = DigitsCNN(info.input_shape[0], info.num_classes, width, dropout)
-    with torch.no_grad():  # materialize the lazy layer so parameter counts and DDP see it
-        model.eval()
-        model(torch.zeros(1, *info.input_shape))
-        model.train()
-    return model
+    """Build a DigitsCNN sized for ``info`` (channels-first images of at least 2x2)."""
+    shape = tuple(info.input_shape)
+    if len(shape) != 3 or min(shape[1:]) < 2:
+        raise ValueError(f"digits_cnn takes images shaped (channels, height, width), at least 2x2; got {shape}")
+    channels, height, wide = shape
+    return DigitsCNN(channels, info.num_classes, width, dropout, height, wide)
 
 
 register(

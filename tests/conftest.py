@@ -50,30 +50,60 @@ THREE_HEADS_CANNOT_BUILD = (
 
 # Under pytest-xdist (`make test-fast` runs `-n 2 --dist loadfile`) a module is one unit of work, so its
 # module-scoped Ray, `ray start --head` or MLflow server is started once, and the README's commands
-# run in order in one directory. Modules are handed out in this order, longest tiers first, so that
-# the long ones do not start last: the README, the autoscaling cluster, the Ray tier, the quick tiers.
-_FIRST = ("test_readme.py", "cluster", "ray", "dist", "unit")
+# run in order in one directory. Modules are handed out longest first, so that a long one does not
+# start last while the other worker idles: by the seconds their selected tests took when they last ran
+# (pytest's cache), else by tier (the README, the autoscaling cluster, the Ray tier, then the quick
+# tiers by their number of tests). Handed out in tier order, the quick tiers ended 198 s and 156 s into
+# the run on their two workers; longest first, 177 s and 178 s.
+_FIRST = ("test_readme.py", "cluster", "ray")
+TEST_SECONDS = "rayjobs/test_seconds"
+_ran_seconds: dict[str, float] = {}
 
 
 def _tier(item) -> str:
     return Path(str(item.fspath)).parent.name
 
 
-def _order(item) -> int:
-    path = Path(str(item.fspath))
-    name = path.name if path.name == "test_readme.py" else path.parent.name
-    return _FIRST.index(name) if name in _FIRST else len(_FIRST)
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _hand_out_order(items, seconds: dict[str, float]) -> list:
+    """``items`` with their modules longest first (stable within a module)."""
+    weight: dict[str, float] = {}
+    if all(item.nodeid in seconds for item in items):
+        for item in items:
+            weight[_module(item.nodeid)] = weight.get(_module(item.nodeid), 0.0) + seconds[item.nodeid]
+    else:
+        for item in items:
+            path = Path(_module(item.nodeid))
+            name = path.name if path.name == "test_readme.py" else path.parent.name
+            tier_first = 1e6 * (len(_FIRST) - _FIRST.index(name)) if name in _FIRST else 0.0
+            weight[_module(item.nodeid)] = weight.get(_module(item.nodeid), tier_first) + 1
+    return sorted(items, key=lambda item: -weight[_module(item.nodeid)])
 
 
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier (the folder it lives in): ``-m unit``, ``-m "unit or dist"``, ...;
-    under pytest-xdist, put the longest tiers first."""
+    under pytest-xdist, hand the modules out longest first."""
     for item in items:
         tier = _tier(item)
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
-    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the hand-out order
-        items.sort(key=_order)  # stable: the order within a tier and a module is kept
+    if hasattr(config, "workerinput") and config.cache is not None:  # a worker: its order is the hand-out order
+        items[:] = _hand_out_order(items, config.cache.get(TEST_SECONDS, {}))
+
+
+def pytest_runtest_logreport(report):
+    """Add up each test's seconds (setup, call and teardown), for the next run's hand-out order."""
+    _ran_seconds[report.nodeid] = _ran_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if hasattr(config, "workerinput") or config.cache is None or not _ran_seconds:
+        return  # a worker's reports reach the controller, which keeps the times
+    config.cache.set(TEST_SECONDS, {**config.cache.get(TEST_SECONDS, {}), **_ran_seconds})
 
 
 # The credentials a cluster's processes get from the environment they were started in (a node's role).

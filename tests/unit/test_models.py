@@ -89,8 +89,9 @@ def test_a_registered_model_that_its_arguments_cannot_build_is_one_line_before_r
     assert str(err.value) == THREE_HEADS_CANNOT_BUILD
     with pytest.raises(ConfigError) as err:  # a CNN over rows of 5 features (image kind: any shape)
         preflight.check_model_builds(load_config(None, ["data.name=synthetic", "data.kwargs.shape=[5]"]))
-    assert str(err.value).startswith(
-        "model.name: digits_cnn (flavor default) cannot be built for inputs (5,) of data.name=synthetic: RuntimeError: "
+    assert str(err.value) == (
+        "model.name: digits_cnn (flavor default) cannot be built for inputs (5,) of data.name=synthetic: ValueError: "
+        "digits_cnn takes images shaped (channels, height, width), at least 2x2; got (5,)"
     ), err.value
     preflight.check_model_builds(load_config(None, [*gpt, "model.kwargs.n_heads=2"]))
     preflight.check_model_builds(load_config(None, ["model.name=user_model:build_tiny", "model.flavor="]))
