@@ -384,7 +384,13 @@ def _train(args: argparse.Namespace) -> None:
     if args.print_config:
         print(to_yaml(cfg), end="")
         return
-    from rayjobs import train
+    from rayjobs import log, train
+
+    if cfg.tune.space:  # a search's config: say what of it a train run uses
+        log.note(
+            f"train runs this config once, as it stands; its search over {', '.join(cfg.tune.space)} "
+            f"runs with `rayjobs tune{f' --config {args.config}' if args.config else ''}`"
+        )
 
     summary_path = _summary_path(args.summary)
     summary = train.run(cfg)

@@ -75,6 +75,18 @@ def test_bad_input_is_one_line_and_exit_2(args, needle):
     assert "RAY_IMPORTED=False" in proc.stdout
 
 
+def test_train_on_a_search_config_says_the_search_is_for_tune():
+    """`rayjobs train --config tune-digits` trains the config once; it said nothing of the search it left."""
+    proc = run_cli("train", "--config", "tune-digits", "--set", "training.precision=fp16")
+    assert proc.stdout.splitlines()[0] == (
+        "rayjobs: train runs this config once, as it stands; its search over optim.lr, model.kwargs.width, "
+        "optim.weight_decay runs with `rayjobs tune --config tune-digits`"
+    ), proc.stdout
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("rayjobs: error: training.precision: fp16")
+    plain = run_cli("train", "--set", "training.precision=fp16")
+    assert "search" not in plain.stdout and plain.returncode == 2
+
+
 @pytest.mark.parametrize("command", [["train"], ["tune", "--config", "tune-digits"]])
 def test_a_storage_path_that_cannot_be_created_is_one_line_before_ray(command, tmp_path):
     a_file = tmp_path / "a-file"
