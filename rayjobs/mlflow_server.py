@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs.errors import ConfigError
+from rayjobs.mlflow_store import seed
 from rayjobs.rundir import mlflow_db
 
 
@@ -27,6 +28,7 @@ def server_command(
     """The ``mlflow server`` command line and environment for a store directory."""
     store = Path(store_dir).resolve()
     store.mkdir(parents=True, exist_ok=True)
+    seed(mlflow_db(store))
     cmd = [
         str(Path(sys.executable).parent / "mlflow"),
         "server",

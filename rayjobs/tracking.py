@@ -94,9 +94,12 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def client(uri: str):
-    """An MlflowClient for ``uri``."""
+    """An MlflowClient for ``uri`` (a new sqlite store is copied from an empty one: ``mlflow_store``)."""
     from mlflow.tracking import MlflowClient
 
+    from rayjobs.mlflow_store import seed_uri
+
+    seed_uri(uri)
     return MlflowClient(tracking_uri=uri)
 
 
