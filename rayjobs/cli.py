@@ -456,7 +456,7 @@ def _doctor(args: argparse.Namespace) -> None:
         print(to_yaml(cfg), end="")
         return
     summary = _summary_path(args.summary)
-    sys.exit(doctor.main(cfg.storage_uri or cfg.storage_path, tracking_uri(cfg), args.working_dir, summary))
+    sys.exit(doctor.main(cfg.storage_uri or cfg.storage_path, tracking_uri(cfg), args.working_dir, summary, cfg))
 
 
 def _cluster(args: argparse.Namespace) -> None:

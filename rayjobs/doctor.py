@@ -1,6 +1,6 @@
 """``rayjobs doctor``: is this Ray cluster ready for a run? One probe per node, then a table.
 
-Checks: the nodes and their resources; devices alike within each node type; Ray, torch, MLflow,
+Checks: the nodes and their resources; the run's workers against them; devices alike within each node type; Ray, torch, MLflow,
 rayjobs and Python versions alike on every node; ``run.storage_path`` writable on the driver and
 readable and writable from every node (so it is shared); the MLflow server reachable from the
 nodes; the working directory small enough for ``ray job submit``; Ray's token auth on. A FAIL is
@@ -116,14 +116,19 @@ def reach_mlflow(uri: str) -> str:
         return f"{uri} unreachable ({getattr(exc, 'reason', exc)})"
 
 
-def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard_url: str = "") -> list[Check]:
-    """Probe every alive node of the connected cluster and return the table's rows."""
+def run_checks(
+    storage_path: str, tracking_uri: str, working_dir: str, dashboard_url: str = "", scaling: Check | None = None
+) -> list[Check]:
+    """Probe every alive node of the connected cluster and return the table's rows (``scaling``: the
+    run's workers, checked by ``scaling_check``, as the second row)."""
     import ray
 
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     res = [n.get("Resources", {}) for n in nodes]
     cpus, gpus = sum(r.get("CPU", 0) for r in res), sum(r.get("GPU", 0) for r in res)
     checks = [Check("nodes", OK, f"{len(nodes)} alive; CPU {cpus:g}, GPU {gpus:g}")]
+    if scaling is not None:
+        checks.append(scaling)
     storage = storage_path if is_uri(storage_path) else os.path.abspath(os.path.expanduser(storage_path))
     nonce = secrets.token_hex(8)
     problem = _write_probe(storage, "driver", nonce)
@@ -138,6 +143,43 @@ def run_checks(storage_path: str, tracking_uri: str, working_dir: str, dashboard
     checks.append(working_dir_check(working_dir))
     checks.append(token_check(dashboard_url))
     return checks
+
+
+def scaling_check(cfg: Any, local: bool) -> Check:
+    """The run's workers: the checks a run makes before Ray (FAIL), then where they go. ``local`` (no
+    RAY_ADDRESS; called before Ray starts): a local Ray declares the CPUs they need, and warns where
+    that is over twice this machine's. On a cluster: whether it holds them now (warn: the run waits
+    for nodes to join)."""
+    import ray
+
+    from rayjobs import launch
+    from rayjobs.errors import ConfigError
+
+    if cfg.scaling.num_workers == 0:
+        return Check("scaling", OK, "local mode (scaling.num_workers=0): the run trains in the driver, no Ray workers")
+    have = {} if local else ray.cluster_resources()
+    gpus = launch.local_gpu_count() if local else int(have.get("GPU", 0))
+    try:
+        plan = launch.plan_scaling(cfg, gpus)
+    except ConfigError as exc:
+        return Check("scaling", FAIL, exc.problems[0])
+    per = {"CPU": 1.0, **({"GPU": 1.0} if plan.use_gpu else {}), **plan.resources_per_worker}
+    need_cpu, need_gpu = per["CPU"] * plan.num_workers, per.get("GPU", 0.0) * plan.num_workers
+    asked = f"{plan.num_workers} worker(s) x {', '.join(f'{k} {v:g}' for k, v in per.items())}"
+    if local:
+        crowded = launch.oversubscription(need_cpu, os.cpu_count() or 1)
+        if crowded:
+            return Check("scaling", WARN, crowded)
+        return Check("scaling", OK, f"{asked} on a local Ray of {launch.local_ray_cpus(need_cpu)} CPU(s)")
+    cpus, gpus_now = have.get("CPU", 0.0), have.get("GPU", 0.0)
+    if need_cpu > cpus or need_gpu > gpus_now:
+        return Check(
+            "scaling",
+            WARN,
+            f"{asked} need CPU {need_cpu:g}, GPU {need_gpu:g}; the cluster has CPU {cpus:g}, GPU {gpus_now:g} now: "
+            "the run waits for nodes to join (an autoscaler adds them), else lower scaling.num_workers",
+        )
+    return Check("scaling", OK, f"{asked}: CPU {need_cpu:g} of {cpus:g}, GPU {need_gpu:g} of {gpus_now:g}")
 
 
 def probe_nodes(nodes: list[dict[str, Any]], storage: str, nonce: str, tracking_uri: str) -> list[dict[str, Any]]:
@@ -288,15 +330,18 @@ def table(checks: list[Check]) -> str:
     return "\n".join(f"{c.name:<{width}}  {c.status:<4}  {c.detail}" for c in checks)
 
 
-def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | None = None) -> int:
+def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | None = None, cfg: Any = None) -> int:
     """Connect to the cluster in RAY_ADDRESS (else a local one), print the table; 1 when something blocks.
 
-    ``summary``: also write the checks as JSON there (``[{name, status, detail}, ...]``).
+    ``summary``: also write the checks as JSON there (``[{name, status, detail}, ...]``); ``cfg``: the
+    run config whose workers are checked against the cluster.
     """
     import logging
 
     logging.getLogger("ray").setLevel(logging.WARNING)
-    if os.environ.get("RAY_ADDRESS"):
+    local = not os.environ.get("RAY_ADDRESS")  # as a run decides: without it, a local Ray of the run's own
+    scaling = scaling_check(cfg, local=True) if cfg is not None and local else None
+    if not local:
         from rayjobs.launch import connect_cluster
 
         ctx = connect_cluster(log_to_driver=False, logging_level=logging.WARNING)
@@ -307,7 +352,9 @@ def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | 
     import ray
 
     try:
-        checks = run_checks(storage_path, tracking_uri, working_dir, getattr(ctx, "dashboard_url", "") or "")
+        if cfg is not None and not local:
+            scaling = scaling_check(cfg, local=False)
+        checks = run_checks(storage_path, tracking_uri, working_dir, getattr(ctx, "dashboard_url", "") or "", scaling)
     finally:
         ray.shutdown()
     print(table(checks))

@@ -219,3 +219,7 @@ def test_a_driver_with_the_token_but_no_auth_mode_connects(ray_head, tmp_path):
     )
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert re.search(r"^nodes\s+ok\s+1 alive", proc.stdout, re.M), proc.stdout + proc.stderr[-3000:]
+    # the default run's workers against that cluster (a `ray start` head: it does not grow for them)
+    assert re.search(r"^scaling\s+(ok|warn)\s+2 worker\(s\) x CPU 1(: CPU 2 of | need CPU 2)", proc.stdout, re.M), (
+        proc.stdout
+    )

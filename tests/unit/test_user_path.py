@@ -167,6 +167,31 @@ def test_checkpoints_of_an_unknown_run_say_where_they_looked(tmp_path):
     )
 
 
+def test_doctor_checks_the_runs_workers_as_a_local_run_would_before_ray():
+    """`rayjobs doctor` said "all checks passed" for 64 workers on 2 CPUs and for a layout the run refuses."""
+    import os
+
+    from rayjobs import doctor
+    from rayjobs.config import load_config
+
+    def check(*overrides):
+        return doctor.scaling_check(load_config(None, list(overrides)), local=True)
+
+    cpus = os.cpu_count() or 1
+    fine = check("scaling.num_workers=1")
+    assert (fine.status, fine.detail) == (doctor.OK, f"1 worker(s) x CPU 1 on a local Ray of {cpus} CPU(s)")
+    crowded = check(f"scaling.num_workers={4 * cpus}")
+    assert crowded.status == doctor.WARN
+    assert crowded.detail.startswith(f"this run reserves {4 * cpus} CPUs and this machine has {cpus}: "), crowded
+    refused = check("parallel.strategy=tp", "parallel.tp=3", "scaling.num_workers=2")
+    assert (refused.status, refused.detail) == (
+        doctor.FAIL,
+        "parallel: pp x dp_replicate x dp_shard x tp = 3, but the world size is 2 (scaling.num_workers); make them "
+        "multiply to 2",
+    )
+    assert check("scaling.num_workers=0").detail.startswith("local mode (scaling.num_workers=0)")
+
+
 def test_doctor_prints_its_config(tmp_path):
     proc = run_cli("doctor", "--print-config", "--set", f"run.storage_path={tmp_path}")
     assert proc.returncode == 0, proc.stderr
