@@ -1,10 +1,10 @@
 """``rayjobs doctor``: is this Ray cluster ready for a run? One probe per node, then a table.
 
-Checks: the nodes and their resources; the run's workers against them; devices alike within each node type; Ray, torch, MLflow,
-rayjobs and Python versions alike on every node; ``run.storage_path`` writable on the driver and
-readable and writable from every node (so it is shared); the MLflow server reachable from the
-nodes; the working directory small enough for ``ray job submit``; Ray's token auth on. A FAIL is
-blocking (exit status 1); a warn is not.
+Checks: the nodes and their resources; the run's workers against them; devices alike within each
+node type; Ray, torch, MLflow, rayjobs and Python versions alike on every node; ``run.storage_path``
+writable on the driver and readable and writable from every node (so it is shared); the MLflow
+server reachable from the nodes; the working directory small enough for ``ray job submit``; Ray's
+token auth on. A FAIL is blocking (exit status 1); a warn is not.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ def seed(db_path: str | os.PathLike[str]) -> bool:
 
 
 def seed_uri(uri: str) -> None:
-    """``seed`` the file of an ``sqlite:///ABS/PATH.db`` tracking URI; other URIs are left alone."""
-    if uri.startswith("sqlite:///"):
+    """``seed`` the file of an ``sqlite:///ABS/PATH.db`` tracking URI; other URIs (and one with query
+    arguments, whose file name SQLAlchemy reads without them) are left alone."""
+    if uri.startswith("sqlite:///") and "?" not in uri:
         seed(uri[len("sqlite:///") :])

@@ -40,6 +40,8 @@ def test_a_seeded_store_is_what_mlflow_makes_and_mlflow_fills_it(tmp_path, monke
     again = client(f"sqlite:///{seeded}")
     assert again.get_run(run.run_id).data.metrics == {"val/accuracy": 0.5}
     assert not list(seeded.parent.glob(".*seed"))
+    mlflow_store.seed_uri(f"sqlite:///{tmp_path / 'q.db'}?timeout=30")  # SQLAlchemy's file is q.db: left to MLflow
+    assert not list(tmp_path.glob("q.db*"))
 
 
 def test_without_a_cache_to_write_mlflow_makes_the_store_itself(tmp_path, monkeypatch):
