@@ -90,8 +90,9 @@ def pytest_collection_modifyitems(config, items):
         tier = _tier(item)
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
-    if hasattr(config, "workerinput") and config.cache is not None:  # a worker: its order is the hand-out order
-        items[:] = _hand_out_order(items, config.cache.get(TEST_SECONDS, {}))
+    cache = getattr(config, "cache", None)  # None under -p no:cacheprovider
+    if hasattr(config, "workerinput"):  # a worker: its order is the hand-out order
+        items[:] = _hand_out_order(items, cache.get(TEST_SECONDS, {}) if cache else {})
 
 
 def pytest_runtest_logreport(report):
@@ -101,9 +102,10 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     config = session.config
-    if hasattr(config, "workerinput") or config.cache is None or not _ran_seconds:
+    cache = getattr(config, "cache", None)
+    if hasattr(config, "workerinput") or cache is None or not _ran_seconds:
         return  # a worker's reports reach the controller, which keeps the times
-    config.cache.set(TEST_SECONDS, {**config.cache.get(TEST_SECONDS, {}), **_ran_seconds})
+    cache.set(TEST_SECONDS, {**cache.get(TEST_SECONDS, {}), **_ran_seconds})
 
 
 # The credentials a cluster's processes get from the environment they were started in (a node's role).
