@@ -530,13 +530,15 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from rayjobs.evaluation import evaluate_checkpoint, format_eval
-    from rayjobs.train import write_summary
+    from rayjobs.evaluation import check_arguments, evaluate_checkpoint, format_eval
 
+    check_arguments(args.split, args.overrides)
     summary_path = _summary_path(args.summary)
     result = evaluate_checkpoint(checkpoint_directory(args), args.split, args.overrides, args.trust_model)
     print(format_eval(result))
     if summary_path:
+        from rayjobs.train import write_summary
+
         write_summary(result, summary_path)
 
 

@@ -11,12 +11,19 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from rayjobs.errors import ConfigError
 
 SPLITS = ("test", "val", "train")
 _OVERRIDABLE = ("data.", "task.", "training.batch_size", "training.precision")
+
+
+def check_arguments(split: str, overrides: list[str]) -> None:
+    """ConfigError for a split or an override that eval does not take (torch-free: a typo answers at once)."""
+    if split not in SPLITS:
+        raise ConfigError(f"eval: --split must be one of {', '.join(SPLITS)}, got {split!r}")
+    for item in overrides:
+        if not item.partition("=")[0].strip().startswith(_OVERRIDABLE):
+            raise ConfigError(f"eval: --set {item}: only data.*, task.*, training.batch_size and precision apply")
 
 
 def evaluate_checkpoint(
@@ -24,7 +31,10 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """{checkpoint, run_name, step, split, data, task, metrics}: the task's metrics of ``checkpoint`` on
     ``split``; a ConfigError (one line) for a checkpoint and data that do not fit."""
+    check_arguments(split, overrides or [])
     import json
+
+    import torch
 
     from rayjobs import data as data_lib
     from rayjobs import stepping, tasks
@@ -32,11 +42,6 @@ def evaluate_checkpoint(
     from rayjobs.config import apply_override, from_dict
     from rayjobs.context import WorkerContext
 
-    if split not in SPLITS:
-        raise ConfigError(f"eval: --split must be one of {', '.join(SPLITS)}, got {split!r}")
-    for item in overrides or []:
-        if not item.partition("=")[0].strip().startswith(_OVERRIDABLE):
-            raise ConfigError(f"eval: --set {item}: only data.*, task.*, training.batch_size and precision apply")
     try:
         model, saved = load_for_inference(checkpoint, trust_model)
     except CheckpointError as exc:

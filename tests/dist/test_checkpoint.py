@@ -516,6 +516,7 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
     ]:
         proc = run_cli("eval", uninterrupted["checkpoint"], *args)
         assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {line}", proc.stderr
+        assert "TORCH_IMPORTED=False" in proc.stdout  # checked before torch: it took 2 s to say
     proc = run_cli("eval", str(tmp_path / "nope"))
     assert proc.stderr.strip() == f"rayjobs: error: eval: no checkpoint directory at {tmp_path / 'nope'}"
     proc = run_cli("eval", str(tmp_path))
