@@ -161,15 +161,14 @@ def free_port() -> int:
 # `torch` (1-2 s of a command's start).
 CLI_PROBE = (
     "import sys, atexit\n"
-    "atexit.register(lambda: print('RAY_IMPORTED=' + str('ray' in sys.modules)))\n"
-    "atexit.register(lambda: print('TORCH_IMPORTED=' + str('torch' in sys.modules)))\n"
+    "atexit.register(lambda: print(f\"TORCH_IMPORTED={'torch' in sys.modules}\\nRAY_IMPORTED={'ray' in sys.modules}\"))\n"
     "from rayjobs.cli import main\n"
     "main(sys.argv[1:])\n"
 )
 
 
 def run_cli(*args: str, timeout: float = 60, cwd: Path | str | None = None, env: dict[str, str] | None = None):
-    """``rayjobs ARGS`` in a subprocess; its stdout ends with ``TORCH_IMPORTED=`` and ``RAY_IMPORTED=True|False``.
+    """``rayjobs ARGS`` in a subprocess; its stdout ends with ``TORCH_IMPORTED=True|False``, then ``RAY_IMPORTED=...``.
 
     It runs in a fresh directory of its own (a user's, not the repo: the default `results/` of two
     tests running at once must not be one run directory), or in ``cwd``; ``env`` adds variables."""
