@@ -494,20 +494,42 @@ def _checkpoints(args: argparse.Namespace) -> None:
             raise ConfigError(
                 f"checkpoints: {args.run!r} is neither a run directory nor a run under "
                 f"--storage-path {os.path.abspath(args.storage_path)}; give a run directory or a run name"
+                + _runs_under(args.storage_path)
             )
         infos = list_checkpoints(run_dir)
     if not infos:
         print(f"{run_dir}: no checkpoints")
         return
-    print(f"{'step':>8}  {'status':<10}  {'val/loss':>9}  {'val/acc':>8}  path")
+    columns = _validation_columns([c.metrics for c in infos])
+    widths = [max(9, len(k)) for k in columns]
+    print(f"{'step':>8}  {'status':<10}  " + "  ".join(f"{k:>{w}}" for k, w in zip(columns, widths)) + "  path")
     for c in infos:
         status = "complete" if c.complete else "INCOMPLETE"
-        vl, va = c.metrics.get("val/loss"), c.metrics.get("val/accuracy")
-        fmt = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
-        print(
-            f"{c.step:>8}  {status:<10}  {fmt(vl):>9}  {fmt(va):>8}  {c.path}"
-            + (f"  ({c.problem})" if c.problem else "")
-        )
+        values = [(c.metrics.get(k), w) for k, w in zip(columns, widths)]
+        shown = "  ".join(f"{v:>{w}.4f}" if isinstance(v, (int, float)) else f"{'-':>{w}}" for v, w in values)
+        print(f"{c.step:>8}  {status:<10}  {shown}  {c.path}" + (f"  ({c.problem})" if c.problem else ""))
+
+
+def _validation_columns(metrics: list[dict[str, Any]]) -> list[str]:
+    """The checkpoints' validation metrics to show: val/loss, then the task's others (at most three)."""
+    found = sorted({k for m in metrics for k in m if k.startswith("val/") and k != "val/loss"})
+    return ["val/loss", *found[:3]]
+
+
+def _runs_under(storage_path: str) -> str:
+    """The run directories under ``storage_path`` (those holding a checkpoint), as "; runs there: a, b"."""
+    try:
+        runs = sorted(e.name for e in os.scandir(storage_path) if e.is_dir() and _holds_checkpoints(e.path))
+    except OSError:
+        return ""
+    return f"; runs there: {', '.join(runs)}" if runs else ""
+
+
+def _holds_checkpoints(path: str) -> bool:
+    try:
+        return any(e.name.startswith("checkpoint_") for e in os.scandir(path))
+    except OSError:
+        return False
 
 
 def _export(args: argparse.Namespace) -> None:

@@ -162,11 +162,12 @@ def check_validation_rows(cfg: Any) -> None:
 
 def check_train_rows(
     cfg: Any, source: Any, world_size: int, batch_size: int | None = None, field: str = "training.batch_size"
-) -> None:
+) -> int | None:
     """The training split must hold a full batch for every data-parallel replica: a run that could take
     no step is one line here, not an error in every worker after Ray started. ``source``: a streamed
     dataset's (rows from file metadata); None for in-memory data, counted here (the bundled sets, and a
-    user's, which the driver loads once anyway). ``batch_size``: a value to check in place of the config's, named ``field`` in the error."""
+    user's, which the driver loads once anyway). ``batch_size``: a value to check in place of the config's, named ``field`` in the error.
+    Returns the optimizer steps of one epoch (None where the rows cannot be counted here)."""
     from rayjobs import data as data_lib
     from rayjobs import parallel
     from rayjobs.stepping import micro_batch_size
@@ -174,16 +175,17 @@ def check_train_rows(
     t = cfg.training.model_copy(update={"batch_size": batch_size}) if batch_size else cfg.training
     if source is not None:
         if "train" not in source.rows:
-            return
+            return None
         rows, replicas = source.rows["train"], world_size
     else:
         try:
             rows = data_lib.train_rows(cfg.data.name, cfg.data.kwargs)
         except Exception:  # noqa: BLE001 - a user's loader that fails says so itself, in the worker
-            return
+            return None
         replicas = parallel.resolve_layout(cfg.parallel, world_size).dp
     micro_batch = micro_batch_size(t.batch_size, replicas, t.grad_accum)
-    if rows // replicas // micro_batch // t.grad_accum == 0:
+    steps_per_epoch = rows // replicas // micro_batch // t.grad_accum
+    if steps_per_epoch == 0:
         where = cfg.data.kwargs.get("path") or cfg.data.name
         who = f"{replicas} worker(s)" if replicas == world_size else f"{replicas} data-parallel replica(s)"
         fits = rows // replicas // t.grad_accum * replicas * t.grad_accum
@@ -191,6 +193,19 @@ def check_train_rows(
         raise ConfigError(
             f"{field}: {t.batch_size} rows a step, but {where} holds {rows} training row(s) for "
             f"{who}, not one full batch; {fix}"
+        )
+    return steps_per_epoch
+
+
+def note_max_steps_past_the_end(cfg: Any, steps_per_epoch: int | None) -> None:
+    """``training.max_steps`` only stops a run early: one past the epochs' end is said, not ignored."""
+    t = cfg.training
+    if steps_per_epoch and t.max_steps > steps_per_epoch * t.epochs:
+        from rayjobs import log
+
+        log.note(
+            f"training.max_steps={t.max_steps} is past the run's end: training.epochs={t.epochs} makes "
+            f"{steps_per_epoch * t.epochs} steps, and the run stops there (raise training.epochs to train longer)"
         )
 
 

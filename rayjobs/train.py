@@ -87,7 +87,7 @@ def prepare(cfg: RunConfig) -> Prepared:
     preflight.check_model_builds(cfg)  # the data's shapes size it
     local_mode = cfg.scaling.num_workers == 0
     scaling = launch.plan_scaling(cfg, launch.local_gpu_count() if local_mode else launch.cluster_gpu_count())
-    preflight.check_train_rows(cfg, source, scaling.world_size)
+    preflight.note_max_steps_past_the_end(cfg, preflight.check_train_rows(cfg, source, scaling.world_size))
     store = open_store(cfg)
     preflight.check_own_checkpoints(cfg, store)
     estimate = preflight.memory_estimate(cfg, scaling.world_size, scaling.use_gpu)
@@ -447,7 +447,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         (
             f"  throughput: {summary['samples_per_s']:.0f} samples/s"
             if summary["samples_per_s"]
-            else "  throughput: no step trained (the run resumed at its last step)"
+            else "  throughput: no step trained: the run had already finished (a new run.name trains afresh)"
         ),
         f"  results:    {summary['storage_path']}",
         f"  checkpoint: {summary['checkpoint']}",

@@ -368,7 +368,9 @@ def run_search(cfg: RunConfig, resume: bool = False) -> dict[str, Any]:
         raise ConfigError(problems)
     layout = layout_for(cfg)
     if resume and not os.path.isdir(layout["experiment_dir"]):
-        raise ConfigError(f"--resume: no search to resume at {layout['experiment_dir']}")
+        raise ConfigError(
+            f"--resume: no search to resume at {layout['experiment_dir']}; the same command without --resume starts it"
+        )
     preflight.check_writable_dir(layout["train_storage"])
     preflight.check_writable_dir(layout["experiment_dir"])
     keep_search_config(cfg, layout, resume)

@@ -89,7 +89,7 @@ def test_rerunning_a_finished_run_trains_nothing_and_claims_no_throughput(tmp_pa
     assert re.search(r"throughput: [1-9][0-9]* samples/s", first.stdout), first.stdout
     again = run_cli(*command, "--summary", "again.json", cwd=tmp_path, timeout=120)
     assert again.returncode == 0, again.stderr
-    assert "throughput: no step trained (the run resumed at its last step)" in again.stdout, again.stdout
+    assert "throughput: no step trained: the run had already finished (a new run.name trains afresh)" in again.stdout, again.stdout
     summary = json.loads((tmp_path / "again.json").read_text())
     assert summary["samples_per_s"] == 0 and summary["metrics"]["step"] == 12
     assert "train/loss" not in summary["metrics"] and summary["metrics"]["perf/mfu"] == 0

@@ -87,6 +87,16 @@ def test_train_on_a_search_config_says_the_search_is_for_tune():
     assert "search" not in plain.stdout and plain.returncode == 2
 
 
+def test_resuming_a_search_that_never_started_says_how_to_start_it(tmp_path):
+    proc = run_cli("tune", "--config", "tune-digits", "--resume", "--set", f"run.storage_path={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"rayjobs: error: --resume: no search to resume at {tmp_path}/tune-digits; "
+        "the same command without --resume starts it"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing created
+
+
 @pytest.mark.parametrize("command", [["train"], ["tune", "--config", "tune-digits"]])
 def test_a_storage_path_that_cannot_be_created_is_one_line_before_ray(command, tmp_path):
     a_file = tmp_path / "a-file"

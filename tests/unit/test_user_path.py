@@ -167,6 +167,41 @@ def test_checkpoints_of_an_unknown_run_say_where_they_looked(tmp_path):
     )
 
 
+def test_checkpoints_of_a_mistyped_run_name_the_runs_there(tmp_path):
+    for run in ("diabetes-mlp", "digits-ddp"):
+        (tmp_path / run / "checkpoint_00000018").mkdir(parents=True)
+    (tmp_path / "mlartifacts").mkdir()  # no checkpoints: not a run
+    proc = run_cli("checkpoints", "diabetes", "--storage-path", str(tmp_path))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("give a run directory or a run name; runs there: diabetes-mlp, digits-ddp")
+
+
+def test_checkpoints_show_the_tasks_validation_metrics():
+    """A regression's checkpoints listed val/acc as '-': the columns are the metrics the checkpoints saved."""
+    from rayjobs.cli import _validation_columns
+
+    regression = {"val/loss": 0.5, "val/mae": 0.6, "val/mse": 0.5, "val/r2": 0.28, "epoch": 2}
+    assert _validation_columns([regression]) == ["val/loss", "val/mae", "val/mse", "val/r2"]
+    assert _validation_columns([{"val/loss": 0.1, "val/accuracy": 0.9}, {}]) == ["val/loss", "val/accuracy"]
+    assert _validation_columns([{}]) == ["val/loss"]
+
+
+def test_a_max_steps_past_the_epochs_end_is_said_not_ignored(capsys):
+    """`--set training.epochs=1 --set training.max_steps=1000` trained 19 steps and said nothing of the 1000."""
+
+    def note(*overrides):
+        cfg = load_config(None, list(overrides))
+        preflight.note_max_steps_past_the_end(cfg, preflight.check_train_rows(cfg, None, 2))
+        return capsys.readouterr().out.strip()
+
+    assert note("training.epochs=1", "training.max_steps=1000") == (
+        "rayjobs: training.max_steps=1000 is past the run's end: training.epochs=1 makes 19 steps, "
+        "and the run stops there (raise training.epochs to train longer)"
+    )
+    assert note("training.epochs=1", "training.max_steps=19") == ""
+    assert note("training.max_steps=10") == note() == ""
+
+
 def test_doctor_checks_the_runs_workers_as_a_local_run_would_before_ray():
     """`rayjobs doctor` said "all checks passed" for 64 workers on 2 CPUs and for a layout the run refuses."""
     import os
