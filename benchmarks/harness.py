@@ -5,6 +5,7 @@ Every figure is a ratio measured side by side in one run, with the goal it is he
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -15,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks import launch
 from benchmarks.base import BENCHMARKS, Benchmark, Size, rehearsing_gpu_on_cpu
 
 
@@ -60,8 +62,6 @@ def machine() -> dict[str, Any]:
 
 def run(names: list[str], size: Size, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run the named benchmarks (all when empty) at ``size`` and return {machine, size, figures, benchmarks}."""
-    import torch
-
     benches = load_all()
     unknown = [n for n in names if n not in benches]
     if unknown:
@@ -74,22 +74,31 @@ def run(names: list[str], size: Size, log: Callable[[str], None] = print) -> dic
         "figures": {},
         "benchmarks": {},
     }
-    for bench in selected:
-        if bench.needs == "cuda" and not torch.cuda.is_available() and not rehearsing_gpu_on_cpu():
-            log(f"bench: {bench.name}: skipped (needs CUDA)")
-            results["benchmarks"][bench.name] = {"skipped": "needs CUDA"}
-            continue
-        log(f"bench: {bench.name}: {bench.workload}")
-        t0 = time.time()
-        figures = bench.run(size)
-        results["benchmarks"][bench.name] = {
-            "workload": bench.workload,
-            "compares": bench.compares,
-            "seconds": round(time.time() - t0, 1),
-        }
-        for fig in figures:
-            results["figures"][fig.key] = {**asdict(fig), "met": fig.met}
+    # Smoke: the benchmarks that launch the same workload share one launch of it (benchmarks.launch).
+    with launch.sharing() if size.name == "smoke" else contextlib.nullcontext():
+        for bench in selected:
+            _run_one(bench, size, results, log)
     return results
+
+
+def _run_one(bench: Benchmark, size: Size, results: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Run one benchmark into ``results`` (skipped, with its reason, when it needs CUDA and there is none)."""
+    import torch
+
+    if bench.needs == "cuda" and not torch.cuda.is_available() and not rehearsing_gpu_on_cpu():
+        log(f"bench: {bench.name}: skipped (needs CUDA)")
+        results["benchmarks"][bench.name] = {"skipped": "needs CUDA"}
+        return
+    log(f"bench: {bench.name}: {bench.workload}")
+    t0 = time.time()
+    figures = bench.run(size)
+    results["benchmarks"][bench.name] = {
+        "workload": bench.workload,
+        "compares": bench.compares,
+        "seconds": round(time.time() - t0, 1),
+    }
+    for fig in figures:
+        results["figures"][fig.key] = {**asdict(fig), "met": fig.met}
 
 
 def format_table(results: dict[str, Any]) -> str:

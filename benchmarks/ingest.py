@@ -41,21 +41,23 @@ def timed_train(storage: Path, epochs: int | None, sets: tuple[str, ...] | list[
     return wall, json.loads(summary.read_text())
 
 
-def parquet_and_memory(epochs: int | None, rounds: int) -> dict[str, list[float]]:
-    """The default job in memory and on its Parquet form (``rayjobs data prepare digits``), alternated.
+def parquet_and_memory(epochs: int | None, rounds: int, local: bool = False) -> dict[str, list[float]]:
+    """The default job in memory and on its Parquet form (``rayjobs data prepare digits``), alternated;
+    ``local``: in local mode (the smoke: the same code path without starting Ray for the workers).
 
     Returns each run's wall seconds per form and the in-memory runs' data-wait fractions.
     """
+    mode = ["scaling.num_workers=0"] if local else []
     out: dict[str, list[float]] = {"memory": [], "parquet": [], "wait": []}
     with tempfile.TemporaryDirectory(prefix="rj-bench-parquet-") as d:
         shards = Path(d) / "digits"
         prep = [sys.executable, "-m", "rayjobs", "data", "prepare", "digits", "--out", str(shards)]
         subprocess.run(prep, cwd=d, env=subprocess_env(), check=True, capture_output=True, timeout=600)
         for i in range(rounds):
-            wall, summary = timed_train(Path(d) / f"memory-{i}", epochs)
+            wall, summary = timed_train(Path(d) / f"memory-{i}", epochs, mode)
             out["memory"].append(wall)
             out["wait"].append(summary["metrics"]["perf/data_wait_fraction"])
-            parquet = ["data.name=parquet", f"data.kwargs.path={shards}"]
+            parquet = [*mode, "data.name=parquet", f"data.kwargs.path={shards}"]
             out["parquet"].append(timed_train(Path(d) / f"parquet-{i}", epochs, parquet)[0])
     return out
 
@@ -140,7 +142,7 @@ def rows_per_s_ray_data(folder: Path) -> float:
 
 def run(size: Size) -> list[Figure]:
     """The default job in memory and from Parquet; then the same Parquet files through Ray Data and a DataLoader."""
-    walls = parquet_and_memory(epochs=size.pick(None, None, 1), rounds=size.pick(3, 1, 1))
+    walls = parquet_and_memory(epochs=size.pick(None, None, 1), rounds=size.pick(3, 1, 1), local=size.name == "smoke")
     memory, parquet = statistics.median(walls["memory"]), statistics.median(walls["parquet"])
     wait = statistics.median(walls["wait"])
     files, rows = size.pick((16, 10_000), (4, 5_000), (2, 1_000))

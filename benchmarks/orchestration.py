@@ -10,7 +10,7 @@ from benchmarks.base import Benchmark, Figure, Size, register, rounds_note
 
 def run(size: Size) -> list[Figure]:
     """Alternate torchrun and Ray launches; compare median step times (launch times: benchmarks.startup)."""
-    spec = {"steps": size.pick(40, 15, 6), "warmup": size.pick(3, 3, 1)}
+    spec = size.pick({"steps": 40, "warmup": 3}, {"steps": 15, "warmup": 3}, launch.SMOKE_SPEC)
     rounds = size.pick(3, 3, 1)
     torch_runs, ray_runs = [], []
     for _ in range(rounds):

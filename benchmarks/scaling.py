@@ -8,7 +8,7 @@ from benchmarks.base import Benchmark, Figure, Size, register
 
 def run(size: Size) -> list[Figure]:
     """efficiency = throughput(2 workers) / (2 x throughput(1 worker))."""
-    spec = {"steps": size.pick(40, 15, 6), "warmup": size.pick(3, 3, 1)}
+    spec = size.pick({"steps": 40, "warmup": 3}, {"steps": 15, "warmup": 3}, launch.SMOKE_SPEC)
     one = launch.torchrun(spec, nproc=1)
     two = launch.torchrun(spec, nproc=2)
     efficiency = two["samples_per_s"] / (2 * one["samples_per_s"])

@@ -25,7 +25,7 @@ def _spread(totals: list[float]) -> str:
 
 def run(size: Size) -> list[Figure]:
     """Alternate torchrun and Ray launches (each Ray process fits twice: cold, then warm); phase medians."""
-    spec = {"steps": 0, "warmup": 1}
+    spec = size.pick({"steps": 0, "warmup": 1}, {"steps": 0, "warmup": 1}, launch.SMOKE_SPEC)
     rounds = size.pick(3, 3, 1)
     launches: dict[str, list[dict]] = {"torchrun": [], "ray_cold": [], "ray_warm": []}
     for _ in range(rounds):
