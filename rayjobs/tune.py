@@ -174,13 +174,16 @@ def scheduler_problems(cfg: RunConfig) -> list[str]:
     length = _run_length(cfg) if t.time_attr == "step" else cfg.training.epochs
     if t.scheduler == "asha" and t.grace_period > (t.max_t or length):
         end = f"tune.max_t={t.max_t}" if t.max_t else f"the run's length, {length} {t.time_attr}s"
-        return [f"tune.grace_period: {t.grace_period} is past the end of a trial ({end}); give a smaller one"]
+        fix = f"set it to at most {t.max_t or length}" + (
+            "" if t.max_t else ", or lengthen the trials (training.epochs)"
+        )
+        return [f"tune.grace_period: {t.grace_period} is past the end of a trial ({end}); {fix}"]
     if t.scheduler == "pbt" and t.search != "random":
         return [f"tune.search: {t.search} cannot drive tune.scheduler=pbt (PBT makes its own trials); use random"]
     if t.scheduler == "pbt" and t.perturbation_interval >= length:
         return [
             f"tune.perturbation_interval: {t.perturbation_interval} {t.time_attr}s leaves no exploit before the end of "
-            f"a trial ({length} {t.time_attr}s); give a smaller one"
+            f"a trial ({length} {t.time_attr}s); set it below {length}, or lengthen the trials (training.epochs)"
         ]
     return []
 

@@ -107,14 +107,24 @@ def test_each_choice_of_a_models_arguments_must_build_it_before_ray():
 @pytest.mark.parametrize(
     "sets, expected",
     [
-        (["tune.max_t=5", "tune.grace_period=10"], "tune.grace_period: 10 is past the end of a trial (tune.max_t=5)"),
+        (
+            ["tune.max_t=5", "tune.grace_period=10"],
+            "tune.grace_period: 10 is past the end of a trial (tune.max_t=5); set it to at most 5",
+        ),
+        # The README's quick look with one epoch: the shipped grace period is two epochs.
+        (
+            ["training.epochs=1"],
+            "tune.grace_period: 38 is past the end of a trial (the run's length, 19 steps); set it to at most 19, "
+            "or lengthen the trials (training.epochs)",
+        ),
         (
             ["tune.grace_period=1000"],
             "tune.grace_period: 1000 is past the end of a trial (the run's length, 228 steps)",
         ),
         (
             ["tune.scheduler=pbt", "tune.perturbation_interval=228"],
-            "tune.perturbation_interval: 228 steps leaves no exploit before the end of a trial (228 steps)",
+            "tune.perturbation_interval: 228 steps leaves no exploit before the end of a trial (228 steps); "
+            "set it below 228, or lengthen the trials (training.epochs)",
         ),
         (["tune.scheduler=pbt", "tune.search=optuna"], "tune.search: optuna cannot drive tune.scheduler=pbt"),
         (["tune.space={}"], "tune.space: empty: a search needs at least one hyperparameter to vary"),
