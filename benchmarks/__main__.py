@@ -26,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", default="results/bench.json", help="where to write the figures")
     parser.add_argument("--chart", metavar="PATH", help="PNG chart (default: beside --json)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.quick and args.smoke:
+        log.error("bench: --quick and --smoke are two sizes of a run; give one of them")
+        return 2
     known = list(harness.load_all())
     unknown = [n for n in args.names if n not in known]
     if unknown:

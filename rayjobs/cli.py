@@ -581,6 +581,8 @@ def _bench(args: argparse.Namespace) -> None:
 
     if not (REPO_ROOT / "benchmarks" / "harness.py").exists():
         raise ConfigError("bench: the benchmarks/ folder is not here; run from a clone of the rayjobs repository")
+    if args.quick and args.smoke:
+        raise ConfigError("bench: --quick and --smoke are two sizes of a run; give one of them")
     argv = [
         *args.names,
         "--json",

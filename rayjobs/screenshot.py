@@ -67,6 +67,8 @@ def take(
     from rayjobs import mlflow_server
     from rayjobs.tracking import client
 
+    if not out.lower().endswith(".png"):
+        raise ConfigError(f"screenshot: --out must end in .png, got {out!r}")
     chromium = find_chromium()
     if chromium is None:
         raise ConfigError("screenshot: Chromium not found; install it (Debian: apt-get install chromium)")
@@ -86,6 +88,12 @@ def take(
     run = runs[0]
     present = set(run.data.metrics)
     keys = [k for k in (keys or DEFAULT_METRICS) if k in present] or sorted(present)[:3]
+    keys = [k for k in keys if len(c.get_metric_history(run.info.run_id, k)) >= 2]  # one point draws no curve
+    if not keys:
+        raise ConfigError(
+            f"screenshot: run {run.info.run_name!r} logged at most one point of each metric, and a chart needs two; "
+            "give --run NAME of a longer run (or log more often: training.log_every, training.eval_every)"
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -94,6 +94,21 @@ def test_screenshot_refuses_a_run_without_those_metrics(trained, tmp_path):
         take(str(trained), str(tmp_path / "x.png"), run_name="nope")
 
 
+@pytest.mark.skipif(find_chromium() is None, reason="Chromium not installed (make test installs it where apt works)")
+def test_screenshot_of_a_one_step_run_or_to_a_non_png_is_one_line(tmp_path):
+    """A run of one point per metric drew no curve, and the refusal read like a failed page load."""
+    from rayjobs.errors import ConfigError
+    from rayjobs.screenshot import take
+
+    sets = [f"run.storage_path={tmp_path}", "run.name=dot", "scaling.num_workers=0", "model.name=mlp"]
+    train.run(load_config(None, [*sets, "training.max_steps=1"]))
+    with pytest.raises(ConfigError, match=r"^screenshot: --out must end in \.png, got '.*x\.txt'$"):
+        take(str(tmp_path), str(tmp_path / "x.txt"))
+    with pytest.raises(ConfigError, match="^screenshot: run 'dot' logged at most one point of each metric, and a chart"):
+        take(str(tmp_path), str(tmp_path / "x.png"))
+    assert not (tmp_path / "x.png").exists()
+
+
 def _ui(storage, port: int, *extra: str, **env: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "rayjobs", "ui", "--storage-path", str(storage), "--port", str(port), *extra],

@@ -75,6 +75,21 @@ def test_unknown_benchmark_is_a_one_line_error():
     assert proc.stderr.strip().startswith("rayjobs: error: bench: unknown benchmark(s) nosuch; known: ")
 
 
+@pytest.mark.parametrize("entry", [["rayjobs", "bench"], ["benchmarks"]])
+def test_two_sizes_at_once_are_a_one_line_error(entry):
+    """`rayjobs bench --quick --smoke` ran the quick benchmarks as if --smoke were not there."""
+    proc = subprocess.run(
+        [sys.executable, "-m", *entry, "launch", "--quick", "--smoke"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (proc.returncode, proc.stdout) == (2, "")
+    assert proc.stderr.strip() == "rayjobs: error: bench: --quick and --smoke are two sizes of a run; give one of them"
+
+
 def test_the_gpu_check_script_rehearses_every_step_on_the_cpu(tmp_path):
     """benchmarks/gpu_check.sh --cpu: the GPU script's train and `bench gpu` steps, on gloo and fp32."""
     proc = subprocess.run(
