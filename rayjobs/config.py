@@ -152,6 +152,15 @@ class DataSection(Section):
         return spec(self.name).kind(self.kwargs)
 
 
+# Where each kind of sample comes from: the fix named when a model is given data of another kind.
+DATA_OF_KIND = {
+    "tokens": "tokens come from data.name=text (a folder of .txt files), a Parquet of token ids "
+    "(`rayjobs data prepare text`), or data.name=synthetic with data.kwargs.kind=tokens (--config gpt-synthetic)",
+    "image": "images come from data.name=digits, images (a folder per class), a Parquet of them "
+    "(`rayjobs data prepare digits`), or synthetic",
+}
+
+
 class TaskSection(Section):
     name: str = Field(
         "auto",
@@ -502,7 +511,7 @@ class RunConfig(Section):
         if self.model.name.startswith(HF_PREFIX) and self.data.kind != "tokens":
             raise _MultiError(
                 [("model.name", f"{self.model.name} is a causal LM: it needs tokens data, but data.name="
-                  f"{self.data.name} gives {self.data.kind}")]
+                  f"{self.data.name} gives {self.data.kind}; {DATA_OF_KIND['tokens']}")]
             )  # fmt: skip
         if self.model.name.startswith(HF_PREFIX):
             from models import hf
@@ -521,7 +530,8 @@ class RunConfig(Section):
                         (
                             "model.name",
                             f"{self.model.name} needs {' or '.join(spec.data_kinds)} data, "
-                            f"but data.name={self.data.name} gives {self.data.kind}",
+                            f"but data.name={self.data.name} gives {self.data.kind}; "
+                            + "; ".join(DATA_OF_KIND[k] for k in spec.data_kinds if k in DATA_OF_KIND),
                         )
                     ]
                 )

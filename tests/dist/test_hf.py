@@ -127,7 +127,8 @@ def test_an_hf_model_is_checked_before_ray_and_its_directory_made_absolute(tiny,
         (["--set", "model.name=hf:nowhere"], f"model.name: hf:nowhere: no config.json in {tmp_path / 'nowhere'} "
          "(a transformers model directory; nothing is downloaded)"),
         (["--set", f"model.name=hf:{tiny}"], f"model.name: hf:{tiny} is a causal LM: it needs tokens data, but "
-         "data.name=digits gives image"),
+         "data.name=digits gives image; tokens come from data.name=text (a folder of .txt files), a Parquet of "
+         "token ids (`rayjobs data prepare text`), or data.name=synthetic with data.kwargs.kind=tokens (--config gpt-synthetic)"),
         (["--set", f"model.name=hf:{tiny}", "--set", "data.name=synthetic", "--set", "data.kwargs={kind: tokens, seq_len: 32}",
           "--set", "parallel.strategy=tp", "--set", "scaling.num_workers=2"],
          f"parallel.strategy=tp: hf:{tiny} trains under ddp, fsdp and hsdp; tensor and pipeline parallel need a "

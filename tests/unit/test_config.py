@@ -139,7 +139,13 @@ def test_print_config_round_trips():
         (["model.flavor=huge"], "model.flavor: digits_cnn has no flavor 'huge'"),
         (["model.kwargs.widht=3"], "model.kwargs.widht: digits_cnn takes no argument 'widht' (did you mean 'width'?)"),
         (["data.name=digit"], "data.name: unknown dataset 'digit' (did you mean 'digits'?)"),
-        (["data.name=synthetic", "data.kwargs.kind=tokens"], "model.name: digits_cnn needs image data"),
+        (
+            ["data.name=synthetic", "data.kwargs.kind=tokens"],
+            "model.name: digits_cnn needs image data, but data.name=synthetic gives tokens; images come from "
+            "data.name=digits",
+        ),
+        # The mismatch names where the model's kind of data comes from.
+        (["model.name=gpt"], "model.name: gpt needs tokens data, but data.name=digits gives image; tokens come from"),
         (["model.name=nosuchpkg.mod:build"], "model.name: cannot import 'nosuchpkg.mod:build'"),
         (["run.name=a/b"], "run.name: must be a plain name without '/'"),
         # An empty path was the working directory: the run's files landed among the user's own.
