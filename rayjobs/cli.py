@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train one run with Ray Train (TorchTrainer)")
     _add_config_args(train, "YAML config (default: the shipped digits job)", "the run summary")
     train.add_argument("--resume-from", metavar="CHECKPOINT", help="resume from this checkpoint directory")
+    train.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)  # tune's: said so, in _train
     train.add_argument("--list-configs", action="store_true", help="list the shipped configs (usable by name) and exit")
     sub.add_parser("configs", help="list the shipped configs: --config NAME finds them from any directory")
 
@@ -377,6 +378,11 @@ def _list_configs() -> None:
 def _train(args: argparse.Namespace) -> None:
     from rayjobs.config import load_config, to_yaml
 
+    if args.resume:  # argparse read it as an abbreviation of --resume-from, wanting a path
+        raise ConfigError(
+            "train: --resume is tune's; a run resumes by itself: the same command (the same run.name) goes on "
+            "from its newest checkpoint, and --resume-from CHECKPOINT starts from another run's"
+        )
     overrides = list(args.overrides)
     if args.resume_from:
         overrides.append(f"checkpoint.resume_from={args.resume_from}")

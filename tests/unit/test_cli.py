@@ -87,6 +87,16 @@ def test_train_on_a_search_config_says_the_search_is_for_tune():
     assert "search" not in plain.stdout and plain.returncode == 2
 
 
+def test_train_with_tunes_resume_flag_says_how_a_run_resumes():
+    """`rayjobs train --resume` read as an abbreviation of --resume-from: "expected one argument"."""
+    proc = run_cli("train", "--resume")
+    assert proc.returncode == 2 and "RAY_IMPORTED=False" in proc.stdout
+    assert proc.stderr.strip() == (
+        "rayjobs: error: train: --resume is tune's; a run resumes by itself: the same command (the same "
+        "run.name) goes on from its newest checkpoint, and --resume-from CHECKPOINT starts from another run's"
+    )
+
+
 def test_resuming_a_search_that_never_started_says_how_to_start_it(tmp_path):
     proc = run_cli("tune", "--config", "tune-digits", "--resume", "--set", f"run.storage_path={tmp_path}")
     assert proc.returncode == 2
