@@ -524,18 +524,14 @@ def _validation_columns(metrics: list[dict[str, Any]]) -> list[str]:
 
 def _runs_under(storage_path: str) -> str:
     """The run directories under ``storage_path`` (those holding a checkpoint), as "; runs there: a, b"."""
+    from rayjobs.checkpoint import checkpoint_names
+    from rayjobs.storage.local import LocalStore
+
     try:
-        runs = sorted(e.name for e in os.scandir(storage_path) if e.is_dir() and _holds_checkpoints(e.path))
+        runs = sorted(e.name for e in os.scandir(storage_path) if e.is_dir() and checkpoint_names(LocalStore(e.path)))
     except OSError:
         return ""
     return f"; runs there: {', '.join(runs)}" if runs else ""
-
-
-def _holds_checkpoints(path: str) -> bool:
-    try:
-        return any(e.name.startswith("checkpoint_") for e in os.scandir(path))
-    except OSError:
-        return False
 
 
 def _export(args: argparse.Namespace) -> None:
