@@ -84,9 +84,9 @@ def run_under_ray(spec: dict[str, Any], workers: int, fits: int = 1) -> dict[str
     """rayjobs' launcher: a local Ray and a TorchTrainer with ``workers`` CPU workers, ``fits`` times
     in a row (the second on the running Ray: ``warm``). The record carries the timeline's marks."""
     from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
-    from rayjobs.launch import poll_reports_often, start_local_ray
+    from rayjobs.launch import owns_local_ray, poll_reports_often, start_local_ray
+    from rayjobs.trainer import Trainer
 
     poll_reports_often()  # as `rayjobs train` does
     marks = {"driver_start": timeline.process_start(), "ray_start": time.time()}
@@ -94,8 +94,9 @@ def run_under_ray(spec: dict[str, Any], workers: int, fits: int = 1) -> dict[str
     marks["ray_ready"] = time.time()
     records = []
     for i in range(fits):
-        trainer = TorchTrainer(
+        trainer = Trainer(  # as `rayjobs train` builds it
             _ray_worker,
+            keep_placement_group_cleaner=not owns_local_ray(),
             train_loop_config={"spec": spec},
             scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"bench-{os.getpid()}-{i}", storage_path=os.path.abspath(".bench/ray")),

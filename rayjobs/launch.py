@@ -291,6 +291,19 @@ GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # ray.init reads it as it starts a he
 PREEMPTION_WATCHER_VARIABLE = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"  # read by the Train controller
 REPORT_POLL_VARIABLE = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by the Train controller (default 2 s)
 REPORT_POLL_S = "0.25"
+PRESTART_VARIABLE = "RAY_prestart_worker_first_driver"  # read by the raylet as it starts
+
+_own_gcs_port = ""  # the GCS port of the local Ray this process started, which ends with it
+
+
+def owns_local_ray() -> bool:
+    """Whether this process is connected to a local Ray it started itself (one that ends with this
+    process), not to a cluster or to the Ray a Tune trial runs in."""
+    if not (_own_gcs_port and ray_initialized()):
+        return False
+    import ray
+
+    return ray.get_runtime_context().gcs_address.rpartition(":")[2] == _own_gcs_port
 
 
 def poll_reports_often() -> None:
@@ -334,15 +347,22 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
     # node is this machine, which no autoscaler drains. The actor costs a process start, and Ray
     # prints an error-level line about its restart policy on every run.
     env.setdefault(PREEMPTION_WATCHER_VARIABLE, os.environ.get(PREEMPTION_WATCHER_VARIABLE, "0"))
-    previous = os.environ.get(GCS_PORT_VARIABLE)
-    os.environ[GCS_PORT_VARIABLE] = str(port)
+    # Read by the processes ray.init starts: the GCS port, and no workers started ahead of need for
+    # the first driver: they have no runtime_env, this job has one, so none was ever used, and on
+    # 2 cores their start slowed Ray's own (a value you set is kept).
+    starting = {GCS_PORT_VARIABLE: str(port), PRESTART_VARIABLE: os.environ.get(PRESTART_VARIABLE, "0")}
+    previous = {name: os.environ.get(name) for name in starting}
+    os.environ.update(starting)
     try:
         ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, **init_kwargs)
     finally:
-        if previous is None:
-            os.environ.pop(GCS_PORT_VARIABLE, None)
-        else:
-            os.environ[GCS_PORT_VARIABLE] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    global _own_gcs_port
+    _own_gcs_port = str(port)
 
 
 def check_ray_tmpdir() -> None:

@@ -197,12 +197,12 @@ def start_ray_and_tracking(prep: Prepared, mlflow_tags: dict[str, str] | None, m
 
 
 def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
-    """Build the ``TorchTrainer`` for this plan and fit it; the Result (its error raised)."""
+    """Build the ``TorchTrainer`` (``rayjobs.trainer``) for this plan and fit it; the Result (its error raised)."""
     from ray.train import DataConfig, FailureConfig, LoggingConfig, ScalingConfig
     from ray.train import RunConfig as RayRunConfig
-    from ray.train.torch import TorchTrainer
 
     from rayjobs.loop import train_fn_per_worker
+    from rayjobs.trainer import Trainer
 
     cfg, scaling, store = prep.cfg, prep.scaling, prep.store
     datasets = None
@@ -217,8 +217,9 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
 
         reconcile_ray_snapshot(cfg.run_dir, store)  # a re-run's controller must not trip on checkpoints we pruned
     plan = dataclasses.replace(plan, launch_marks={**plan.launch_marks, "fit": time.time()})
-    trainer = TorchTrainer(
+    trainer = Trainer(
         train_fn_per_worker,
+        keep_placement_group_cleaner=not launch.owns_local_ray(),
         train_loop_config=plan.to_dict(),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"]),

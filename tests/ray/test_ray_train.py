@@ -27,9 +27,17 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
             "training.eval_every=10",
         ],
     )
+    from ray.util.state import list_actors
+
+    before = {a.actor_id for a in list_actors(limit=10_000)}
     summary = train.run(cfg)
     m = summary["metrics"]
     assert summary["num_workers"] == 2 and summary["device"] == "cpu"
+    # Ray Train's helper actors that this run has no use for were not started (rayjobs.trainer): a
+    # dataset manager (no Ray Dataset) and a placement-group cleaner (this Ray ends with its driver).
+    started = sorted(a.class_name for a in list_actors(limit=10_000) if a.actor_id not in before)
+    assert started.count("RayTrainWorker") == 2 and "TrainController" in started, started
+    assert "DatasetManager" not in started and "PlacementGroupCleaner" not in started, started
     assert m["step"] == 4 * (1257 // 64)
     assert m["test/accuracy"] >= 0.9, m
     assert m["train/loss"] < 0.5 and m["val/loss"] < 1.0
@@ -150,6 +158,21 @@ def test_workers_that_a_local_ray_cannot_hold_are_one_error_not_a_wait(ray_clust
     with pytest.raises(ConfigError, match=r"^scaling.resources_per_worker.memory: 2 worker\(s\) need .* GiB in all, "):
         check_local_resources(ScalingPlan(2, False, {"CPU": 1.0, "memory": have}))
     check_local_resources(ScalingPlan(8, False, {"CPU": 1.0}))  # CPUs: a local Ray is started with enough
+
+
+def test_our_local_ray_starts_no_worker_ahead_of_need_and_knows_it_is_ours(ray_cluster):
+    """Ray prestarts a worker per CPU for the first driver; they have no runtime_env and a rayjobs
+    job has one, so none was ever used, and they slowed the start of a small machine's Ray."""
+    import os
+
+    import psutil
+
+    from rayjobs.launch import PRESTART_VARIABLE, owns_local_ray
+
+    raylets = [p for p in psutil.Process().children(recursive=True) if p.name() == "raylet"]
+    assert raylets and all(p.environ().get(PRESTART_VARIABLE) == "0" for p in raylets)
+    assert PRESTART_VARIABLE not in os.environ  # the driver's own environment is left as it was
+    assert owns_local_ray()
 
 
 def test_every_process_of_our_local_ray_knows_its_cluster_beside_another_ray(ray_cluster):
