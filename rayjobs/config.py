@@ -948,7 +948,8 @@ def _describe(err: dict[str, Any], loc: list[str]) -> str:
     kind, ctx, given = err["type"], err.get("ctx") or {}, err.get("input")
     got = f", got {given!r}"
     if kind == "extra_forbidden":
-        return f"unknown key{_did_you_mean(loc[-1], _siblings(loc))}; allowed: {', '.join(_siblings(loc))}"
+        hint = _did_you_mean(loc[-1], _siblings(loc)) or _elsewhere(loc)
+        return f"unknown key{hint}; allowed: {', '.join(_siblings(loc))}"
     bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
     if kind in bounds:
         limit = next(iter(ctx.values()))
@@ -983,6 +984,27 @@ def _siblings(loc: list[str]) -> list[str]:
             return []
         model = fields[part].annotation
     return list(getattr(model, "model_fields", {}))
+
+
+def _elsewhere(loc: list[str]) -> str:
+    """`` (it is training.batch_size)`` for a key that belongs to another section ('' when none)."""
+    word = loc[-1].lower().replace("-", "_")
+    word = KEY_SYNONYMS.get(word, word)
+    homes = [path for path in _field_paths(RunConfig) if path.rsplit(".", 1)[-1] == word]
+    return f" (it is {' or '.join(homes)})" if 0 < len(homes) <= 2 else ""
+
+
+KEY_SYNONYMS = {"learning_rate": "lr", "batch": "batch_size", "workers": "num_workers", "epoch": "epochs"}
+
+
+def _field_paths(model: Any, prefix: str = "") -> list[str]:
+    """Every field of a config section and its subsections, as dotted paths."""
+    paths = []
+    for name, field in getattr(model, "model_fields", {}).items():
+        paths.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            paths += _field_paths(field.annotation, f"{prefix}{name}.")
+    return paths
 
 
 SECRET_WORDS = ("password", "token", "secret", "key", "credential")

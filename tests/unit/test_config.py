@@ -130,6 +130,15 @@ def test_print_config_round_trips():
         ),
         (["optim.lrr=1"], "optim.lrr: unknown key (did you mean 'lr'?)"),
         (["optimizer.lr=1"], "optimizer: unknown key (did you mean 'optim'?)"),
+        # A key put in the wrong section is sent to its own (and a common other name to ours).
+        (["data.batch_size=8"], "data.batch_size: unknown key (it is training.batch_size); allowed: name, kwargs"),
+        (["epochs=3"], "epochs: unknown key (it is training.epochs); allowed: run, model,"),
+        (["optim.learning_rate=0.1"], "optim.learning_rate: unknown key (it is optim.lr); allowed:"),
+        (
+            ["training.max_failures=1"],
+            "training.max_failures: unknown key (it is failure.max_failures or tune.max_failures)",
+        ),
+        (["training.nosuch=1"], "training.nosuch: unknown key; allowed: epochs,"),
         (["training.epochs=abc"], "training.epochs: must be an integer, got 'abc'"),
         (["training.grad_accum=0"], "training.grad_accum: must be >= 1, got 0"),
         (["training.precision=fp8"], "training.precision: must be one of 'fp32', 'bf16', 'fp16', got 'fp8'"),
