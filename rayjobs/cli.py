@@ -141,7 +141,8 @@ def _checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "checkpoint",
         metavar="CHECKPOINT",
-        help="a checkpoint directory, a run directory (its newest complete checkpoint), runs:/RUN_ID or models:/NAME/VERSION|latest|@ALIAS",
+        help="a checkpoint directory, a run directory or a run's name under ./results (its newest complete "
+        "checkpoint), runs:/RUN_ID or models:/NAME/VERSION|latest|@ALIAS",
     )
     parser.add_argument(
         "--tracking-uri",
@@ -166,8 +167,17 @@ def checkpoint_directory(args: argparse.Namespace) -> str:
             uri = f"sqlite:///{store}"
         source = mlflow_checkpoint(uri, source, args.command)
     if not os.path.isdir(source):
-        raise ConfigError(f"{args.command}: no checkpoint directory at {source}")
+        named = os.path.join(DEFAULT_RUNS, source)  # a run's name, as `rayjobs checkpoints RUN` takes it
+        if os.sep in source or not os.path.isdir(named):
+            raise ConfigError(
+                f"{args.command}: no checkpoint directory at {source}"
+                + _runs_under(DEFAULT_RUNS, f"in {DEFAULT_RUNS}/")
+            )
+        source = named
     return _checkpoint_of(source, args.command)
+
+
+DEFAULT_RUNS = "results"  # run.storage_path's default: where a run name given alone is looked up
 
 
 def _checkpoint_of(directory: str, command: str) -> str:
@@ -196,7 +206,7 @@ def _add_checkpoint_commands(sub: argparse._SubParsersAction) -> None:
     listing = sub.add_parser("checkpoints", help="list a run's checkpoints: step, metrics, complete or not")
     listing.add_argument("run", metavar="RUN_OR_PATH", help="a run directory, or a run name under --storage-path")
     listing.add_argument(
-        "--storage-path", default="results", help="where run names are looked up (a path, or the run's s3://... URI)"
+        "--storage-path", default=DEFAULT_RUNS, help="where run names are looked up (a path, or the run's s3://... URI)"
     )
 
     export = sub.add_parser("export", help="write a checkpoint's weights as a plain state dict or safetensors")
@@ -522,7 +532,7 @@ def _validation_columns(metrics: list[dict[str, Any]]) -> list[str]:
     return ["val/loss", *found[:3]]
 
 
-def _runs_under(storage_path: str) -> str:
+def _runs_under(storage_path: str, where: str = "there") -> str:
     """The run directories under ``storage_path`` (those holding a checkpoint), as "; runs there: a, b"."""
     from rayjobs.checkpoint import checkpoint_names
     from rayjobs.storage.local import LocalStore
@@ -531,7 +541,7 @@ def _runs_under(storage_path: str) -> str:
         runs = sorted(e.name for e in os.scandir(storage_path) if e.is_dir() and checkpoint_names(LocalStore(e.path)))
     except OSError:
         return ""
-    return f"; runs there: {', '.join(runs)}" if runs else ""
+    return f"; runs {where}: {', '.join(runs)}" if runs else ""
 
 
 def _export(args: argparse.Namespace) -> None:

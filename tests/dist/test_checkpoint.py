@@ -497,8 +497,6 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
     m = uninterrupted["metrics"]
     assert got["metrics"] == {"test/loss": m["test/loss"], "test/accuracy": m["test/accuracy"]}
     assert f"test/accuracy {m['test/accuracy']:.4f}" in proc.stdout
-    val = run_cli("eval", uninterrupted["checkpoint"], "--split", "val")
-    assert f"val/accuracy {m['val/accuracy']:.4f}" in val.stdout, val.stdout + val.stderr
     bad = run_cli(
         "eval", uninterrupted["checkpoint"], "--set", "data.name=synthetic", "--set", "data.kwargs.shape=[1, 4, 4]"
     )
@@ -517,15 +515,21 @@ def test_eval_of_the_final_checkpoint_gives_the_runs_test_metrics(uninterrupted,
         proc = run_cli("eval", uninterrupted["checkpoint"], *args)
         assert proc.returncode == 2 and proc.stderr.strip() == f"rayjobs: error: {line}", proc.stderr
         assert "TORCH_IMPORTED=False" in proc.stdout  # checked before torch: it took 2 s to say
-    proc = run_cli("eval", str(tmp_path / "nope"))
-    assert proc.stderr.strip() == f"rayjobs: error: eval: no checkpoint directory at {tmp_path / 'nope'}"
+    # A run's name alone is looked up under ./results, as `rayjobs checkpoints RUN` does; a mistyped one
+    # names the runs there.
+    run_dir = os.path.dirname(uninterrupted["checkpoint"])
+    (tmp_path / "here").mkdir()
+    os.symlink(os.path.dirname(run_dir), tmp_path / "here" / "results")
+    proc = run_cli("eval", "nope", cwd=tmp_path / "here")
+    assert proc.stderr.strip() == "rayjobs: error: eval: no checkpoint directory at nope; runs in results/: ref"
+    proc = run_cli("eval", os.path.basename(run_dir), "--split", "val", cwd=tmp_path / "here")  # another split
+    assert f"val/accuracy {m['val/accuracy']:.4f}" in proc.stdout, proc.stdout + proc.stderr
     proc = run_cli("eval", str(tmp_path))
     assert proc.returncode == 2 and proc.stderr.strip() == (
         f"rayjobs: error: eval: {tmp_path} is neither a checkpoint (no manifest.json) nor a run directory "
         "(no checkpoint_* in it); give a checkpoint directory: `rayjobs checkpoints RUN` lists a run's"
     )
-    run_dir = os.path.dirname(uninterrupted["checkpoint"])  # a run directory: its newest complete checkpoint
-    proc = run_cli("eval", run_dir)
+    proc = run_cli("eval", run_dir)  # a run directory: its newest complete checkpoint
     assert proc.returncode == 0 and f"test/accuracy {m['test/accuracy']:.4f}" in proc.stdout, proc.stderr[-2000:]
     assert f"using its newest complete checkpoint, {uninterrupted['checkpoint']}" in proc.stdout, proc.stdout
 
