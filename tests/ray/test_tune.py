@@ -272,6 +272,9 @@ def test_asha_search_on_digits_with_mlflow_parent_and_children(ray_cluster, mlfl
     assert any(t["status"] == "stopped early" for t in trials), [t["steps"] for t in trials]
     assert summary["placement_groups_left"] == 0  # stopped trials freed their workers
     assert summary["best_metrics"]["val/accuracy"] > 0.8
+    # Tune's own result files per trial, and no TensorBoard logs (the metrics are in MLflow).
+    assert len(list(tmp_path.rglob("progress.csv"))) == len(list(tmp_path.rglob("result.json"))) == 4
+    assert not list(tmp_path.rglob("events.out.tfevents*"))
 
     from rayjobs.tracking import client
 
