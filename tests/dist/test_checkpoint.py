@@ -80,6 +80,7 @@ def test_rerun_after_a_crash_resumes_bit_identical(tmp_path, uninterrupted):
     assert summary["metrics"]["test/accuracy"] == uninterrupted["metrics"]["test/accuracy"]
 
 
+@pytest.mark.slow  # three CLI runs (21 s): in `make test`'s second part, so that test-fast stays under 3 minutes
 def test_rerunning_a_finished_run_trains_nothing_and_claims_no_throughput(tmp_path):
     """The same command again resumes at the final step: no step, so no train loss and no samples/s
     (it printed 18240000000000 samples/s: the checkpoint's samples over this attempt's zero time)."""
