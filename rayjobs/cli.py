@@ -18,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from rayjobs import log, preflight
+from rayjobs.config import RunSection
 from rayjobs.errors import ConfigError, Interrupted, TrainingFailed
 from rayjobs.storage.bucket import StoreError
+
+DEFAULT_RUNS = RunSection.model_fields["storage_path"].default  # where a run name given alone is looked up
 
 
 def version_line() -> str:
@@ -68,14 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_commands(sub)
 
     ui = sub.add_parser("ui", help="serve the MLflow UI on 127.0.0.1 over this project's tracking store")
-    ui.add_argument("--storage-path", default="results", help="the run.storage_path whose mlflow.db to serve")
+    ui.add_argument("--storage-path", default=DEFAULT_RUNS, help="the run.storage_path whose mlflow.db to serve")
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument(
         "--auth", action="store_true", help="basic auth; admin from MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD"
     )
 
     shot = sub.add_parser("screenshot", help="PNG of the MLflow UI's metric chart for a run (headless Chromium)")
-    shot.add_argument("--storage-path", default="results", help="the run.storage_path whose mlflow.db to show")
+    shot.add_argument("--storage-path", default=DEFAULT_RUNS, help="the run.storage_path whose mlflow.db to show")
     shot.add_argument("--run", help="MLflow run name (default: the newest run)")
     shot.add_argument("--experiment", default="rayjobs")
     shot.add_argument("--out", required=True, metavar="PNG")
@@ -159,7 +162,7 @@ def checkpoint_directory(args: argparse.Namespace) -> str:
     if source.startswith(MLFLOW_SOURCES):
         uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
         if not uri:
-            store = os.path.abspath(os.path.join("results", "mlflow.db"))
+            store = os.path.abspath(os.path.join(DEFAULT_RUNS, "mlflow.db"))
             if not os.path.isfile(store):
                 raise ConfigError(
                     f"{args.command}: {source} needs an MLflow store: none at {store}; pass --tracking-uri"
@@ -175,9 +178,6 @@ def checkpoint_directory(args: argparse.Namespace) -> str:
             )
         source = named
     return _checkpoint_of(source, args.command)
-
-
-DEFAULT_RUNS = "results"  # run.storage_path's default: where a run name given alone is looked up
 
 
 def _checkpoint_of(directory: str, command: str) -> str:
