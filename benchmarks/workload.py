@@ -96,7 +96,7 @@ def run_under_ray(spec: dict[str, Any], workers: int, fits: int = 1) -> dict[str
     for i in range(fits):
         trainer = Trainer(  # as `rayjobs train` builds it
             _ray_worker,
-            keep_placement_group_cleaner=not owns_local_ray(),
+            own_local_ray=owns_local_ray(),
             train_loop_config={"spec": spec},
             scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=f"bench-{os.getpid()}-{i}", storage_path=os.path.abspath(".bench/ray")),

@@ -219,7 +219,7 @@ def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:
     plan = dataclasses.replace(plan, launch_marks={**plan.launch_marks, "fit": time.time()})
     trainer = Trainer(
         train_fn_per_worker,
-        keep_placement_group_cleaner=not launch.owns_local_ray(),
+        own_local_ray=launch.owns_local_ray(),
         train_loop_config=plan.to_dict(),
         datasets=datasets,
         dataset_config=DataConfig(datasets_to_split=["train"]),

@@ -34,10 +34,12 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
     m = summary["metrics"]
     assert summary["num_workers"] == 2 and summary["device"] == "cpu"
     # Ray Train's helper actors that this run has no use for were not started (rayjobs.trainer): a
-    # dataset manager (no Ray Dataset) and a placement-group cleaner (this Ray ends with its driver).
+    # dataset manager (no Ray Dataset), a placement-group cleaner (this Ray ends with its driver) and
+    # Ray Data's autoscaling coordinator (this Ray has no autoscaler).
     started = sorted(a.class_name for a in list_actors(limit=10_000) if a.actor_id not in before)
     assert started.count("RayTrainWorker") == 2 and "TrainController" in started, started
     assert "DatasetManager" not in started and "PlacementGroupCleaner" not in started, started
+    assert "_AutoscalingCoordinatorActor" not in started, started
     assert m["step"] == 4 * (1257 // 64)
     assert m["test/accuracy"] >= 0.9, m
     assert m["train/loss"] < 0.5 and m["val/loss"] < 1.0
