@@ -150,6 +150,15 @@ def _wait_for(url: str, timeout: float = 90.0) -> int:
             time.sleep(1)
 
 
+def _assert_nothing_listens_on(port: int) -> None:
+    """Fail, naming the port, where another process (a `rayjobs ui` left over) already serves on it."""
+    import socket
+
+    with socket.socket() as probe:
+        taken = probe.connect_ex(("127.0.0.1", port)) == 0
+    assert not taken, f"something already listens on 127.0.0.1:{port} (a leftover `rayjobs ui`?); stop it and rerun"
+
+
 def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
     """The key figure the README shows for the commands that show one."""
     accuracy = re.findall(r"test/accuracy (\d\.\d+)", out)
@@ -227,6 +236,8 @@ def test_readme_command_runs_as_written(cmd: Command, user_dir: Path, user_env: 
     ):
         pytest.skip("no Chromium on this machine (make test installs Debian's where apt works)")
     server = None
+    if "127.0.0.1:5000" in cmd.text or re.search(r"\brayjobs ui\b", cmd.text):
+        _assert_nothing_listens_on(5000)  # else the checks below would probe some other server
     if "tracking.uri=http://127.0.0.1:5000" in cmd.text:  # "with `rayjobs ui` running"
         server = subprocess.Popen(["rayjobs", "ui"], cwd=user_dir, env=user_env, start_new_session=True)
         _wait_for("http://127.0.0.1:5000/health")
@@ -235,6 +246,7 @@ def test_readme_command_runs_as_written(cmd: Command, user_dir: Path, user_env: 
             proc = subprocess.Popen(cmd.text, shell=True, cwd=user_dir, env=user_env, start_new_session=True)
             try:
                 status = _wait_for(SERVERS["rayjobs ui"].replace("/health", "/"))
+                assert proc.poll() is None, f"{cmd.text} exited with status {proc.returncode}"
                 assert status == (401 if "--auth" in cmd.text else 200), status
             finally:
                 os.killpg(proc.pid, signal.SIGINT)
