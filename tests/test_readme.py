@@ -236,13 +236,14 @@ def test_readme_command_runs_as_written(cmd: Command, user_dir: Path, user_env: 
     ):
         pytest.skip("no Chromium on this machine (make test installs Debian's where apt works)")
     server = None
-    if "127.0.0.1:5000" in cmd.text or re.search(r"\brayjobs ui\b", cmd.text):
+    is_ui = re.search(r"\brayjobs ui\b", cmd.text) is not None
+    if is_ui or "127.0.0.1:5000" in cmd.text:
         _assert_nothing_listens_on(5000)  # else the checks below would probe some other server
     if "tracking.uri=http://127.0.0.1:5000" in cmd.text:  # "with `rayjobs ui` running"
         server = subprocess.Popen(["rayjobs", "ui"], cwd=user_dir, env=user_env, start_new_session=True)
         _wait_for("http://127.0.0.1:5000/health")
     try:
-        if re.search(r"\brayjobs ui\b", cmd.text):  # a server: up, answering (401 without credentials under --auth)
+        if is_ui:  # a server: up, answering (401 without credentials under --auth)
             proc = subprocess.Popen(cmd.text, shell=True, cwd=user_dir, env=user_env, start_new_session=True)
             try:
                 status = _wait_for(SERVERS["rayjobs ui"].replace("/health", "/"))
