@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+GCS_PORT_VARIABLE = "RAY_GCS_SERVER_PORT"  # rayjobs.launch's, not imported: this is a leaf of benchmarks/
 GPU_REHEARSAL_ENV = "RAYJOBS_GPU_CHECK"  # "cpu": run the GPU benchmark on the CPU (benchmarks/gpu_check.sh --cpu)
 
 
@@ -56,6 +57,18 @@ class Size:
 FULL, QUICK, SMOKE = Size("full"), Size("quick"), Size("smoke")
 
 
+def run_calls(calls: list[Callable[[], Any]], size: Size) -> list[Any]:
+    """Each call's result, in order. A smoke starts them all at once (they are subprocesses that
+    mostly wait for their own Ray to start; its figures are not compared), a measured size runs them
+    one after another, so no run's time holds another's."""
+    if size.name != "smoke" or len(calls) < 2:
+        return [call() for call in calls]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(calls), thread_name_prefix="bench-smoke") as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def rounds_note(ratios: list[float]) -> str:
     """The spread of a ratio over alternated rounds: ``; per round 0.97, 0.99, 0.98 (0.97-0.99)``."""
     if len(ratios) < 2:
@@ -73,6 +86,7 @@ class Benchmark:
     compares: str
     run: Callable[[Size], list[Figure]]
     needs: str = ""  # "cuda" for GPU-only benchmarks
+    subprocesses_only: bool = False  # measures only the subprocesses it starts: a smoke runs it beside the others
     figures: list[Figure] = field(default_factory=list)
 
 
@@ -88,6 +102,10 @@ def register(bench: Benchmark) -> Benchmark:
 def subprocess_env(threads: int = 1) -> dict[str, str]:
     """Environment for a launched workload: the repo importable, ``threads`` BLAS threads."""
     env = dict(os.environ)
+    # Set in this process only while one of its threads starts a local Ray (launch.start_local_ray): a
+    # smoke's subprocess started then took that GCS port for its own Ray and failed ("Session name
+    # ... does not match persisted value").
+    env.pop(GCS_PORT_VARIABLE, None)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["OMP_NUM_THREADS"] = str(threads)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])

@@ -10,8 +10,10 @@ import json
 import math
 import os
 import platform
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -74,31 +76,47 @@ def run(names: list[str], size: Size, log: Callable[[str], None] = print) -> dic
         "figures": {},
         "benchmarks": {},
     }
-    # Smoke: the benchmarks that launch the same workload share one launch of it (benchmarks.launch).
+    # Smoke: the benchmarks that launch the same workload share one launch of it (benchmarks.launch),
+    # and those that only launch subprocesses run beside the others (its figures are not compared).
+    beside = [b for b in selected if size.name == "smoke" and b.subprocesses_only]
+    if beside:
+        log = _one_line_at_a_time(log)
     with launch.sharing() if size.name == "smoke" else contextlib.nullcontext():
-        for bench in selected:
-            _run_one(bench, size, results, log)
+        with ThreadPoolExecutor(max(1, len(beside)), thread_name_prefix="bench-beside") as pool:
+            started = {b.name: pool.submit(_run_one, b, size, log) for b in beside}
+            done = {b.name: _run_one(b, size, log) for b in selected if b.name not in started}
+            done.update({name: future.result() for name, future in started.items()})
+    for bench in selected:  # in the order asked for, whichever finished first
+        info, figures = done[bench.name]
+        results["benchmarks"][bench.name] = info
+        results["figures"].update(figures)
     return results
 
 
-def _run_one(bench: Benchmark, size: Size, results: dict[str, Any], log: Callable[[str], None]) -> None:
-    """Run one benchmark into ``results`` (skipped, with its reason, when it needs CUDA and there is none)."""
+def _one_line_at_a_time(log: Callable[[str], None]) -> Callable[[str], None]:
+    """``log`` for several threads: print writes a line and its newline apart, so two lines ran together."""
+    lock = threading.Lock()
+
+    def locked(line: str) -> None:
+        with lock:
+            log(line)
+
+    return locked
+
+
+def _run_one(bench: Benchmark, size: Size, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run one benchmark: what it ran and its figures by key (skipped, with its reason, when it needs CUDA
+    and there is none)."""
     import torch
 
     if bench.needs == "cuda" and not torch.cuda.is_available() and not rehearsing_gpu_on_cpu():
         log(f"bench: {bench.name}: skipped (needs CUDA)")
-        results["benchmarks"][bench.name] = {"skipped": "needs CUDA"}
-        return
+        return {"skipped": "needs CUDA"}, {}
     log(f"bench: {bench.name}: {bench.workload}")
     t0 = time.time()
     figures = bench.run(size)
-    results["benchmarks"][bench.name] = {
-        "workload": bench.workload,
-        "compares": bench.compares,
-        "seconds": round(time.time() - t0, 1),
-    }
-    for fig in figures:
-        results["figures"][fig.key] = {**asdict(fig), "met": fig.met}
+    info = {"workload": bench.workload, "compares": bench.compares, "seconds": round(time.time() - t0, 1)}
+    return info, {fig.key: {**asdict(fig), "met": fig.met} for fig in figures}
 
 
 def format_table(results: dict[str, Any]) -> str:

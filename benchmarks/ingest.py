@@ -3,6 +3,7 @@ against in memory, and Ray Data's throughput against a torch DataLoader over the
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.base import Benchmark, Figure, Size, register, subprocess_env
+from benchmarks.base import Benchmark, Figure, Size, register, run_calls, subprocess_env
 
 FEATURES, BATCH = 256, 256
 
@@ -41,24 +42,30 @@ def timed_train(storage: Path, epochs: int | None, sets: tuple[str, ...] | list[
     return wall, json.loads(summary.read_text())
 
 
-def parquet_and_memory(epochs: int | None, rounds: int, local: bool = False) -> dict[str, list[float]]:
+def parquet_and_memory(epochs: int | None, rounds: int, size: Size) -> dict[str, list[float]]:
     """The default job in memory and on its Parquet form (``rayjobs data prepare digits``), alternated;
-    ``local``: in local mode (the smoke: the same code path without starting Ray for the workers).
+    a smoke runs both at once and in local mode (the same code path without starting Ray for the workers).
 
     Returns each run's wall seconds per form and the in-memory runs' data-wait fractions.
     """
-    mode = ["scaling.num_workers=0"] if local else []
+    mode = ["scaling.num_workers=0"] if size.name == "smoke" else []
     out: dict[str, list[float]] = {"memory": [], "parquet": [], "wait": []}
     with tempfile.TemporaryDirectory(prefix="rj-bench-parquet-") as d:
         shards = Path(d) / "digits"
         prep = [sys.executable, "-m", "rayjobs", "data", "prepare", "digits", "--out", str(shards)]
         subprocess.run(prep, cwd=d, env=subprocess_env(), check=True, capture_output=True, timeout=600)
+        parquet = [*mode, "data.name=parquet", f"data.kwargs.path={shards}"]
         for i in range(rounds):
-            wall, summary = timed_train(Path(d) / f"memory-{i}", epochs, mode)
+            (wall, summary), (parquet_wall, _) = run_calls(
+                [
+                    functools.partial(timed_train, Path(d) / f"memory-{i}", epochs, mode),
+                    functools.partial(timed_train, Path(d) / f"parquet-{i}", epochs, parquet),
+                ],
+                size,
+            )
             out["memory"].append(wall)
             out["wait"].append(summary["metrics"]["perf/data_wait_fraction"])
-            parquet = [*mode, "data.name=parquet", f"data.kwargs.path={shards}"]
-            out["parquet"].append(timed_train(Path(d) / f"parquet-{i}", epochs, parquet)[0])
+            out["parquet"].append(parquet_wall)
     return out
 
 
@@ -140,16 +147,27 @@ def rows_per_s_ray_data(folder: Path) -> float:
         ray.shutdown()
 
 
-def run(size: Size) -> list[Figure]:
-    """The default job in memory and from Parquet; then the same Parquet files through Ray Data and a DataLoader."""
-    walls = parquet_and_memory(epochs=size.pick(None, None, 1), rounds=size.pick(3, 1, 1), local=size.name == "smoke")
-    memory, parquet = statistics.median(walls["memory"]), statistics.median(walls["parquet"])
-    wait = statistics.median(walls["wait"])
-    files, rows = size.pick((16, 10_000), (4, 5_000), (2, 1_000))
+def loader_and_ray_data_rows_per_s(files: int, rows: int) -> tuple[float, float]:
+    """Rows/s of a DataLoader and of Ray Data over the same ``files`` Parquet files of ``rows`` rows."""
     with tempfile.TemporaryDirectory(prefix="rj-bench-ingest-") as d:
         paths = write_parquet(Path(d), files, rows)
-        loader = rows_per_s_dataloader(paths)
-        ray_rows = rows_per_s_ray_data(Path(d))
+        return rows_per_s_dataloader(paths), rows_per_s_ray_data(Path(d))
+
+
+def run(size: Size) -> list[Figure]:
+    """The default job in memory and from Parquet; then the same Parquet files through Ray Data and a DataLoader."""
+    files, rows = size.pick((16, 10_000), (4, 5_000), (2, 1_000))
+    walls, (loader, ray_rows) = run_calls(
+        [
+            functools.partial(
+                parquet_and_memory, epochs=size.pick(None, None, 1), rounds=size.pick(3, 1, 1), size=size
+            ),
+            functools.partial(loader_and_ray_data_rows_per_s, files, rows),
+        ],
+        size,
+    )
+    memory, parquet = statistics.median(walls["memory"]), statistics.median(walls["parquet"])
+    wait = statistics.median(walls["wait"])
     mb = files * rows * FEATURES * 4 / 2**20
     return [
         Figure(

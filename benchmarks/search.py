@@ -3,6 +3,7 @@ fixed cost of one trial against one ``rayjobs train`` start."""
 
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 import subprocess
@@ -12,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.base import REPO, Benchmark, Figure, Size, register, subprocess_env
+from benchmarks.base import REPO, Benchmark, Figure, Size, register, run_calls, subprocess_env
 
 TOLERANCE = 0.005  # "within 0.5% of random search's best validation accuracy"
 EVAL_EVERY = 4
@@ -99,8 +100,12 @@ def _train_start_to_first_step(local: bool = False) -> float:
 def run(size: Size) -> list[Figure]:
     """Random search, then ASHA over the same seeded configs (3 times on full: which trial reaches a
     rung first moves ASHA's figure); then one cold ``rayjobs train``."""
-    random_summary = search("fifo", size)
-    asha_summaries = [search("asha", size) for _ in range(size.pick(3, 1, 1))]
+    searches = ["fifo"] + ["asha"] * size.pick(3, 1, 1)
+    local = size.name == "smoke"
+    *summaries, train_start = run_calls(
+        [*(functools.partial(search, s, size) for s in searches), lambda: _train_start_to_first_step(local)], size
+    )
+    random_summary, asha_summaries = summaries[0], summaries[1:]
     ratios = [s["total_steps"] / random_summary["total_steps"] for s in asha_summaries]
     asha_summary = asha_summaries[ratios.index(statistics.median_high(ratios))]
     best = max(h["val/accuracy"] for t in random_summary["trials"] for h in t["history"])
@@ -117,7 +122,6 @@ def run(size: Size) -> list[Figure]:
 
     overheads = [t["start_to_first_step_s"] for s in (random_summary, *asha_summaries) for t in s["trials"]]
     trial_overhead = statistics.median(o for o in overheads if o is not None)
-    train_start = _train_start_to_first_step(local=size.name == "smoke")
     return [
         Figure(
             "tune.asha_steps_ratio",
@@ -174,5 +178,6 @@ register(
         workload="tune-digits: lr x width, 2 (quick) or 8 trials of 2 or 8 epochs, 1 worker each, 2 at a time",
         compares="ASHA against random search over the same seeded configs; a trial's start against `rayjobs train`",
         run=run,
+        subprocesses_only=True,
     )
 )
