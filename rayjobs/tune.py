@@ -235,7 +235,7 @@ def trial_driver(params: dict[str, Any], base: dict[str, Any], layout: dict[str,
     trial_id = ray.tune.get_context().get_trial_id()
     raw = trial_config(base, params)
     raw["run"].update(name=trial_id, storage_path=layout["train_storage"])
-    RunDir(os.path.join(layout["train_storage"], trial_id)).record_event("trial_start")
+    RunDir(os.path.join(layout["train_storage"], trial_id)).record_event("trial_start", pid=os.getpid())
     raw["tracking"].update(register_as="", run_name=f"{layout['name']}-{trial_id}")
     # Every report carries the search metric: checkpoints are taken exactly at the evals.
     evals = raw["training"]["eval_every"]
@@ -474,6 +474,7 @@ def _tuner(
             search_alg=_search_alg(cfg, max_concurrent),
             scheduler=_scheduler(cfg, steps, layout),
             time_budget_s=cfg.tune.time_budget_s or None,
+            reuse_actors=reuses_trial_drivers(cfg),
         ),
         run_config=tune.RunConfig(
             name=layout["name"],
@@ -488,6 +489,18 @@ def _tuner(
             ],
         ),
     )
+
+
+def reuses_trial_drivers(cfg: RunConfig) -> bool:
+    """Whether a finished trial's driver process runs the next trial (Tune's ``reuse_actors``): its
+    imports are done, so a trial reaches its first step 1.6 s sooner here (5.7 s against 7.3 s).
+
+    Only where no trial is stopped while it runs (FIFO, no time budget): Tune hands a stopped
+    trial's actor to the next trial once the trial's function has returned, within 2 s, and a
+    function still inside its Train ``fit()`` does not, so that next trial failed ("Could not
+    re-use actor").
+    """
+    return cfg.tune.scheduler == "fifo" and not cfg.tune.time_budget_s
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ Train itself is not what is tested."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from conftest import run_cli
 
 from rayjobs import train, tune
 from rayjobs.config import load_config
+from rayjobs.rundir import RunDir
 from rayjobs.tracking import MODEL_URI_TAG, client, tracking_uri
 
 pytestmark = pytest.mark.ray
@@ -101,3 +103,6 @@ def test_a_search_over_parquet_with_optuna_runs_to_the_end(ray_cluster, tmp_path
     assert len(trials) == 2 and all(t["status"] == "done" for t in trials), json.dumps(trials, default=str)[:2000]
     assert len({json.dumps(t["config"], sort_keys=True) for t in trials}) == 2  # Optuna sampled two configs
     assert summary["best_metrics"]["val/accuracy"] > 0.5
+    # FIFO, one trial at a time: the second trial ran in the first one's driver process (reuse_actors).
+    starts = [RunDir(os.path.join(tune.layout_for(cfg)["train_storage"], t["id"])) for t in trials]
+    assert len({s.read_events("trial_start")[0]["pid"] for s in starts}) == 1
