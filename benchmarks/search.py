@@ -99,7 +99,7 @@ def _train_start_to_first_step(local: bool = False) -> float:
 
 def run(size: Size) -> list[Figure]:
     """Random search, then ASHA over the same seeded configs (3 times on full: which trial reaches a
-    rung first moves ASHA's figure); then one cold ``rayjobs train``."""
+    rung first moves ASHA's figure); then one cold ``rayjobs train`` (a smoke starts all at once)."""
     searches = ["fifo"] + ["asha"] * size.pick(3, 1, 1)
     local = size.name == "smoke"
     *summaries, train_start = run_calls(
