@@ -20,6 +20,7 @@ another node is off by the clocks' skew; phases are clamped at 0.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -48,8 +49,6 @@ def process_start() -> float:
     a second longer than it was, and the one before it (workers) a second shorter. On Linux the
     start is counted back from /proc/uptime (hundredths of a second) instead.
     """
-    import os
-
     try:
         with open("/proc/self/stat") as f:
             after_name = f.read().rsplit(")", 1)[1].split()  # the name, in (), may hold spaces
