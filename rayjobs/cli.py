@@ -105,7 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_up.add_argument("--config", default=None, help="a fake_multinode cluster YAML (default: the shipped one)")
     cluster_up.add_argument("--port", type=int, default=6379, help="the head's GCS port")
     cluster_up.add_argument("--dashboard-port", type=int, default=8265, help="dashboard and Jobs API (127.0.0.1)")
-    cluster_sub.add_parser("down", help="ray stop: the head, the autoscaler and every node it started")
+    cluster_down = cluster_sub.add_parser(
+        "down", help="stop the cluster `cluster up` started: its head, autoscaler and nodes (no other Ray)"
+    )
+    cluster_down.add_argument("--port", type=int, default=6379, help="the head's GCS port given to `cluster up`")
 
     bench = sub.add_parser("bench", help="run the side-by-side benchmarks (ratios, with goals)")
     bench.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
@@ -479,12 +482,20 @@ def _cluster(args: argparse.Namespace) -> None:
     from rayjobs import cluster
 
     if args.cluster_command == "down":
-        cluster.down()
-        print("rayjobs: local cluster stopped")
+        started = cluster.recorded(args.port)
+        if started is None:
+            raise ConfigError(
+                f"cluster down: no cluster that `rayjobs cluster up` started on port {args.port} is noted in "
+                f"{cluster.RECORDS}; give its --port, or stop other Rays with `ray stop`"
+            )
+        cluster.down(started)
+        cluster.forget(args.port)
+        print(f"rayjobs: local cluster on {started.gcs_address} stopped")
         return
     _check_port("cluster up --port", args.port)
     _check_port("cluster up --dashboard-port", args.dashboard_port)
     started = cluster.up(Path(args.config) if args.config else cluster.LOCAL_YAML, args.port, args.dashboard_port)
+    cluster.record(started)
     print(f"rayjobs: local autoscaling cluster up: GCS {started.gcs_address}, dashboard {started.dashboard_url}")
     print(f"  token auth on: clients here read the token from {cluster.TOKEN_FILE} (or RAY_AUTH_TOKEN)")
     print(f"  export RAY_ADDRESS={started.gcs_address}")

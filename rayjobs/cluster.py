@@ -8,9 +8,11 @@ has 0 CPUs (as the YAML says), so training always runs on nodes the autoscaler l
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,9 @@ from rayjobs.errors import ConfigError
 
 LOCAL_YAML = Path(__file__).resolve().parents[1] / "cluster" / "local-autoscale.yaml"
 TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+# Where `rayjobs cluster up` notes the cluster it started (one file per GCS port), so that `down`
+# stops that cluster's processes and no other Ray on the machine (a local `rayjobs train` beside it).
+RECORDS = Path.home() / ".cache" / "rayjobs" / "clusters"
 
 
 @dataclass
@@ -37,6 +42,29 @@ class LocalCluster:
     def env(self) -> dict[str, str]:
         """The environment a client (``ray job submit``, a driver) needs to use this cluster."""
         return {"RAY_ADDRESS": self.gcs_address, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": self.token}
+
+
+def record(started: LocalCluster) -> Path:
+    """Note a cluster ``up`` started, for ``down`` (``~/.cache/rayjobs/clusters/<port>.json``, no token)."""
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    path = RECORDS / f"{started.gcs_address.rsplit(':', 1)[1]}.json"
+    path.write_text(json.dumps({"gcs_address": started.gcs_address, "dashboard_url": started.dashboard_url,
+                                "temp_dir": started.temp_dir}))  # fmt: skip
+    return path
+
+
+def recorded(port: int) -> LocalCluster | None:
+    """The cluster ``up`` started on ``port``, as noted by ``record`` (None where none is noted)."""
+    try:
+        noted = json.loads((RECORDS / f"{port}.json").read_text())
+        return LocalCluster(noted["gcs_address"], noted["dashboard_url"], noted["temp_dir"], token="")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def forget(port: int) -> None:
+    """Drop the note of the cluster on ``port`` (it was stopped)."""
+    (RECORDS / f"{port}.json").unlink(missing_ok=True)
 
 
 def _token_file() -> str:
@@ -74,10 +102,26 @@ def up(
     token: str | None = None,
 ) -> LocalCluster:
     """Start the head of the local autoscaling cluster; worker nodes come and go with demand."""
+    from rayjobs.mlflow_server import port_in_use
+
+    own_temp_dir = temp_dir is None
     temp_dir = temp_dir or tempfile.mkdtemp(prefix="rjc-", dir="/tmp")  # Ray's socket paths must stay short
     token = token or os.environ.get("RAY_AUTH_TOKEN") or _token_file()
     gcs = f"127.0.0.1:{port}"
-    yaml_path = autoscaling_config(Path(config), gcs, temp_dir)
+    try:
+        yaml_path = autoscaling_config(Path(config), gcs, temp_dir)
+        # `ray start` on a dashboard port another Ray holds started no dashboard and said nothing: the
+        # `ray job submit --address` printed for this cluster then sent the job to that other Ray.
+        for flag, wanted in (("--port", port), ("--dashboard-port", dashboard_port)):
+            if port_in_use(wanted):
+                raise ConfigError(
+                    f"cluster up {flag} {wanted}: 127.0.0.1:{wanted} is in use (another Ray?); "
+                    f"stop what listens there or give another {flag}"
+                )
+    except ConfigError:
+        if own_temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     cmd = [
         _ray_bin(),
@@ -100,21 +144,18 @@ def up(
     return LocalCluster(gcs, f"http://127.0.0.1:{dashboard_port}", temp_dir, token)
 
 
-def down(started: LocalCluster | None = None) -> None:
-    """Stop the local cluster: its head, the autoscaler and every worker node it started.
-
-    Without ``started`` this is ``ray stop`` (every Ray on the machine); with it, only the
-    processes of that cluster (found by its temp dir and GCS port), so other Rays live on.
-    """
-    if started is None:
-        subprocess.run([_ray_bin(), "stop", "--force"], capture_output=True, text=True, timeout=120)
-        return
+def down(started: LocalCluster) -> None:
+    """Stop a local cluster: its head, the autoscaler and every worker node it started, found by its
+    temp dir and GCS port, so that other Rays on the machine live on."""
     port = started.gcs_address.rsplit(":", 1)[1]
     stop_processes([re.escape(started.temp_dir), rf":{port}\b"])
 
 
-def stop_processes(patterns: list[str], timeout: float = 10.0) -> None:
-    """Terminate (then kill) every process whose command line matches one of ``patterns``, with its children."""
+def stop_processes(patterns: list[str], timeout: float = 3.0) -> None:
+    """Terminate (then kill) every process whose command line matches one of ``patterns``, with its children.
+
+    Ray's GCS, raylets, autoscaler and runtime-env agent outlast a SIGTERM by over 10 s (a ``cluster
+    down`` waited 10 s for them); ``ray stop --force`` kills them outright, this after ``timeout``."""
     import psutil
 
     found = re.compile("|".join(f"(?:{p})" for p in patterns))

@@ -159,6 +159,9 @@ def start(store_dir: str, port: int, auth: bool = False, log_path: str | None = 
         ]
         reason = errors[-1].split(": ", 1)[-1] if errors else f"exit status {proc.returncode}"
         raise ConfigError(f"ui: the MLflow server did not start: {reason} (its log: {log})") from None
+    except BaseException:  # Ctrl-C while it started: it is in a session of its own, so nothing else stops it
+        stop(proc)
+        raise
     return proc
 
 
@@ -216,14 +219,17 @@ def serve(store_dir: str, port: int, auth: bool) -> None:
         )
         sys.exit(1)
     fresh = not os.path.exists(mlflow_db(str(Path(store_dir).resolve())))
-    proc = start(store_dir, port, auth=auth)
 
     def _stop(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
+    signal.signal(signal.SIGTERM, _stop)  # before the server starts: `start` stops it when interrupted
+    signal.signal(signal.SIGHUP, _stop)
+    try:
+        proc = start(store_dir, port, auth=auth)
+    except KeyboardInterrupt:
+        return
     try:  # from here on a signal at any point (even during the print) still stops the server
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGHUP, _stop)
         print(f"MLflow UI: http://127.0.0.1:{port}  (store: {Path(store_dir).resolve()}; Ctrl-C stops it)", flush=True)
         if fresh:  # a mistyped --storage-path showed an empty UI without a word
             print(

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import free_port, run_cli
 
 from rayjobs import train
 from rayjobs.config import load_config
@@ -311,6 +311,7 @@ def test_a_second_live_driver_of_the_same_run_is_refused(tmp_path):
         (["eval", "/no/such", "--summary", "/proc/no/such/s.json"], "--summary: cannot create /proc/no"),
         (["cluster", "up", "--dashboard-port", "70000"], "cluster up --dashboard-port: must be a TCP port"),
         (["cluster", "up", "--config", "/no/such.yaml"], "cluster config: cannot read /no/such.yaml"),
+        (["cluster", "down", "--port", "1"], "cluster down: no cluster that `rayjobs cluster up` started on port 1"),
         (["export", "/no/such", "--out", "w.pt"], "export: no checkpoint directory at /no/such"),
         (["checkpoints", "/no/such"], "checkpoints: '/no/such' is neither a run directory nor a run"),
         (["tune", "--set", "tune.space.optim.lr.uniform=[1]"], "tune.space.optim.lr: uniform needs [low, high]"),
@@ -323,3 +324,20 @@ def test_a_second_live_driver_of_the_same_run_is_refused(tmp_path):
 )
 def test_every_subcommand_refuses_bad_values_in_one_line(args, needle):
     _bad(*args, needle=needle)
+
+
+def test_cluster_up_on_a_port_in_use_is_one_line_before_ray_starts():
+    """`ray start` on a dashboard port another Ray held started no dashboard and said nothing, and the
+    `ray job submit --address` that `cluster up` printed sent jobs to that other Ray."""
+    import glob
+    import socket
+
+    before = set(glob.glob("/tmp/rjc-*"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        _bad("cluster", "up", "--port", str(port), needle=f"cluster up --port {port}: 127.0.0.1:{port} is in use")
+        free = str(free_port())  # not the default 6379, which another test's cluster may hold
+        _bad("cluster", "up", "--port", free, "--dashboard-port", str(port), needle=f"--dashboard-port {port}: 127.0")
+    assert set(glob.glob("/tmp/rjc-*")) == before  # the temp dir it made for Ray is gone with it

@@ -145,6 +145,26 @@ def test_ui_stops_its_server_on_sigterm_and_sighup(trained, sig):
     assert not _mlflow_processes(port), "the MLflow server outlived rayjobs ui"
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ui_stopped_while_its_server_starts_leaves_no_server(tmp_path, sig):
+    """Ctrl-C in the seconds before the server answered left it running, on its port, for good."""
+    import signal
+
+    port = free_port()
+    proc = _ui(tmp_path / "store", port)
+    deadline = time.monotonic() + 60
+    while not any("mlflow" in " ".join(p.info["cmdline"]) for p in _mlflow_processes(port)):
+        assert time.monotonic() < deadline and proc.poll() is None, "rayjobs ui started no MLflow server"
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, sig))  # the server takes seconds to answer: it is still starting
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while _mlflow_processes(port) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _mlflow_processes(port), "the MLflow server outlived rayjobs ui, stopped while it started"
+    assert "Traceback" not in proc.stdout.read()
+
+
 def test_ui_on_a_busy_port_fails_in_one_line(trained):
     import socket
 

@@ -223,3 +223,30 @@ def test_a_driver_with_the_token_but_no_auth_mode_connects(ray_head, tmp_path):
     assert re.search(r"^scaling\s+(ok|warn)\s+2 worker\(s\) x CPU 1(: CPU 2 of | need CPU 2)", proc.stdout, re.M), (
         proc.stdout
     )
+
+
+def test_cluster_down_stops_its_own_cluster_and_no_other_ray(ray_head, tmp_path):
+    """`rayjobs cluster down` was `ray stop --force`: it also killed every other Ray on the machine (a
+    local run beside it, here the module's `ray start --head`). It stops the cluster `up` noted, only."""
+    import socket
+
+    from conftest import free_port, run_cli
+
+    def listens(port: int) -> bool:
+        with socket.socket() as probe:
+            return probe.connect_ex(("127.0.0.1", port)) == 0
+
+    home = {"HOME": str(tmp_path)}  # `up` notes its cluster under ~/.cache/rayjobs/clusters
+    port, dashboard = free_port(), free_port()
+    up = run_cli("cluster", "up", "--port", str(port), "--dashboard-port", str(dashboard), env=home, timeout=180)
+    assert up.returncode == 0 and f"GCS 127.0.0.1:{port}" in up.stdout, up.stdout + up.stderr[-3000:]
+    assert listens(port) and (tmp_path / ".cache" / "rayjobs" / "clusters" / f"{port}.json").is_file()
+    down = run_cli("cluster", "down", "--port", str(port), env=home, timeout=120)
+    assert down.returncode == 0 and f"local cluster on 127.0.0.1:{port} stopped" in down.stdout, down.stderr[-3000:]
+    assert not listens(port) and not listens(dashboard)
+    assert listens(ray_head.gcs_port) and listens(ray_head.dashboard_port)  # the other Ray lives on
+    again = run_cli("cluster", "down", "--port", str(port), env=home)
+    assert again.returncode == 2 and again.stderr.strip() == (
+        f"rayjobs: error: cluster down: no cluster that `rayjobs cluster up` started on port {port} is noted in "
+        f"{tmp_path}/.cache/rayjobs/clusters; give its --port, or stop other Rays with `ray stop`"
+    ), again.stderr

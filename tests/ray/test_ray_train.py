@@ -29,14 +29,17 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
     )
     from ray.util.state import list_actors
 
-    before = {a.actor_id for a in list_actors(limit=10_000)}
+    # This module's Ray by its address: without one Ray's state API picks a `ray start` cluster, and
+    # fails where several run (other test modules' clusters beside this one).
+    here = ray_cluster.get_runtime_context().gcs_address
+    before = {a.actor_id for a in list_actors(address=here, limit=10_000)}
     summary = train.run(cfg)
     m = summary["metrics"]
     assert summary["num_workers"] == 2 and summary["device"] == "cpu"
     # Ray Train's helper actors that this run has no use for were not started (rayjobs.trainer): a
     # dataset manager (no Ray Dataset), a placement-group cleaner (this Ray ends with its driver) and
     # Ray Data's autoscaling coordinator (this Ray has no autoscaler).
-    started = sorted(a.class_name for a in list_actors(limit=10_000) if a.actor_id not in before)
+    started = sorted(a.class_name for a in list_actors(address=here, limit=10_000) if a.actor_id not in before)
     assert started.count("RayTrainWorker") == 2 and "TrainController" in started, started
     assert "DatasetManager" not in started and "PlacementGroupCleaner" not in started, started
     assert "_AutoscalingCoordinatorActor" not in started, started
