@@ -7,10 +7,12 @@ STAMP   := $(VENV)/.installed
 TORCH_CPU_VERSION ?= 2.13.0
 PYTEST_FLAGS ?=
 # Processes per run (pytest-xdist, one test module per unit of work; 1: none). The quick tiers gain
-# from 2 (3 took 4:03 against 3:48 with 2, 2026-12-05); the Ray tiers are CPU-bound on 2 cores (Ray's
-# own processes): 3 at once ran at a load of 11, no sooner, and an elastic-run test missed its deadline.
-# So `make test` runs the quick tiers as `make test-fast` does, then the rest one module at a time.
-TEST_WORKERS ?= 1
+# from 2 (3 took 4:03 against 3:48 with 2, 2026-12-05). The Ray tiers are CPU-bound on 2 cores (Ray's
+# own processes), but a run leaves a third of the CPUs idle while Ray starts and its processes wait on
+# each other: 2 at once took 22:38 against 29:02 one at a time (2026-12-07); 3 ran at a load of 11,
+# no sooner, and an elastic-run test missed its deadline. Modules run side by side share no port or
+# process: local Rays take free ports, and each test stops only what it started.
+TEST_WORKERS ?= 2
 FAST_WORKERS ?= 2
 # The quick tiers (`make test-fast`), and every other test (`make test` runs both, in that order).
 FAST_TESTS := -m "(unit or dist) and not ray and not slow" tests/unit tests/dist

@@ -331,6 +331,7 @@ def poll_reports_often() -> None:
 def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:
     """Start a new local Ray of this process's own, whose processes all know it is theirs.
 
+    Its GCS and dashboard take free ports, never the well-known 6379 and 8265 of a `ray start` cluster.
     Even where another Ray runs on this machine (a `ray start` cluster, another user's run): Ray
     Train's placement-group cleaner (a detached actor) finds its cluster through Ray's state API,
     which without ``RAY_ADDRESS`` picks the newest `ray start` cluster, or fails outright when
@@ -353,6 +354,10 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
     starting = {GCS_PORT_VARIABLE: str(port), PRESTART_VARIABLE: os.environ.get(PRESTART_VARIABLE, "0")}
     previous = {name: os.environ.get(name) for name in starting}
     os.environ.update(starting)
+    if init_kwargs.get("include_dashboard") is not False:
+        # Not Ray's 8265 either: that is the port `rayjobs cluster up` and `ray start --head` give their
+        # dashboard and Jobs API, and one a local run held refused them (Ray prints this one's address).
+        init_kwargs.setdefault("dashboard_port", _free_port())
     try:
         ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, **init_kwargs)
     finally:
