@@ -495,7 +495,14 @@ def _cluster(args: argparse.Namespace) -> None:
     _check_port("cluster up --port", args.port)
     _check_port("cluster up --dashboard-port", args.dashboard_port)
     started = cluster.up(Path(args.config) if args.config else cluster.LOCAL_YAML, args.port, args.dashboard_port)
-    cluster.record(started)
+    try:
+        cluster.record(started)
+    except OSError as exc:  # the cluster runs: say how to stop it rather than fail
+        print(
+            f"rayjobs: warning: cannot note the cluster in {cluster.RECORDS} ({exc.strerror or exc}): "
+            f"`rayjobs cluster down` will not find it; `ray stop` stops it (and every other Ray here)",
+            file=sys.stderr,
+        )
     print(f"rayjobs: local autoscaling cluster up: GCS {started.gcs_address}, dashboard {started.dashboard_url}")
     print(f"  token auth on: clients here read the token from {cluster.TOKEN_FILE} (or RAY_AUTH_TOKEN)")
     print(f"  export RAY_ADDRESS={started.gcs_address}")

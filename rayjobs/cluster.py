@@ -48,8 +48,8 @@ def record(started: LocalCluster) -> Path:
     """Note a cluster ``up`` started, for ``down`` (``~/.cache/rayjobs/clusters/<port>.json``, no token)."""
     RECORDS.mkdir(parents=True, exist_ok=True)
     path = RECORDS / f"{started.gcs_address.rsplit(':', 1)[1]}.json"
-    path.write_text(json.dumps({"gcs_address": started.gcs_address, "dashboard_url": started.dashboard_url,
-                                "temp_dir": started.temp_dir}))  # fmt: skip
+    noted = {"gcs_address": started.gcs_address, "dashboard_url": started.dashboard_url, "temp_dir": started.temp_dir}
+    path.write_text(json.dumps(noted))
     return path
 
 

@@ -22,6 +22,9 @@ from rayjobs.mlflow_store import seed
 from rayjobs.rundir import mlflow_db
 
 
+JOB_EXECUTION_VARIABLE = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+
+
 def server_command(
     store_dir: str, port: int, host: str = "127.0.0.1", auth: bool = False
 ) -> tuple[list[str], dict[str, str]]:
@@ -44,6 +47,10 @@ def server_command(
         "1",
     ]
     env = dict(os.environ)
+    # MLflow 3 starts a job runner and seven huey consumers beside the server, for its GenAI jobs
+    # (prompt optimization, scorers, trace roll-ups), which rayjobs never submits: each is a Python
+    # with mlflow imported. Off unless you turn it on.
+    env.setdefault(JOB_EXECUTION_VARIABLE, "false")
     if auth:
         user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
         if not user or not password:

@@ -55,6 +55,11 @@ def test_ui_serves_on_loopback_and_prints_the_url(trained):
         listeners = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
         local_addresses = [line.split()[3] for line in listeners.splitlines() if line.strip()]
         assert local_addresses and all(a == f"127.0.0.1:{port}" for a in local_addresses), listeners
+        # MLflow 3's job runner and its huey consumers (a Python with mlflow each) are not started
+        import psutil
+
+        family = [" ".join(p.cmdline()) for p in psutil.Process(proc.pid).children(recursive=True)]
+        assert family and not [c for c in family if "huey" in c or "_job_runner" in c], family
     finally:
         import os
         import signal
