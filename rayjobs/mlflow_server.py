@@ -21,7 +21,6 @@ from rayjobs.errors import ConfigError
 from rayjobs.mlflow_store import seed
 from rayjobs.rundir import mlflow_db
 
-
 JOB_EXECUTION_VARIABLE = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
