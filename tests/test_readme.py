@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, VENV_BIN
 
+from rayjobs.rundir import RunDir
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 RUNS = re.compile(r"^(?:[A-Z_]+=\S+ )*(rayjobs\b|python -m rayjobs\b|make train\b)")
@@ -122,9 +124,11 @@ def user_dir(tmp_path_factory):
     (d / "my_csvs").mkdir()
     rows = ["a,b,y", *(f"{i % 7},{(i * 3) % 5},{i % 2}" for i in range(200))]
     (d / "my_csvs" / "part.csv").write_text("\n".join(rows) + "\n")
-    for folder in ("corpus", "held_out"):
+    # 45 KB of training text, 9 KB held out: the text commands' runs are a few steps an epoch, and
+    # each evaluation a few batches (at 90 KB each, evaluating cost more than training).
+    for folder, repeats in (("corpus", 1000), ("held_out", 200)):
         (d / folder).mkdir()
-        (d / folder / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * 2000)
+        (d / folder / "a.txt").write_text("the quick brown fox jumps over the lazy dog. " * repeats)
     return d
 
 
@@ -159,6 +163,16 @@ def _assert_nothing_listens_on(port: int) -> None:
     assert not taken, f"something already listens on 127.0.0.1:{port} (a leftover `rayjobs ui`?); stop it and rerun"
 
 
+_OUTPUTS: dict[str, str] = {}  # each command's output, for a later command's check that compares
+
+
+def _steps(out: str) -> int:
+    """The steps of the run that a `rayjobs train` output says finished."""
+    found = re.findall(r"finished in [\d.]+ s \(.*?, (\d+) steps\)", out)
+    assert found, out[-2000:]
+    return int(found[-1])
+
+
 def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
     """The key figure the README shows for the commands that show one."""
     accuracy = re.findall(r"test/accuracy (\d\.\d+)", out)
@@ -169,8 +183,15 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
     if "model.name=hf:tiny-gpt2" in cmd.text:  # a transformers model on the byte corpus: it learns
         loss = re.findall(r"val/loss (\d+\.\d+)", out)
         assert loss and float(loss[-1]) < 4.0 and "val/perplexity" in out, out[-3000:]
+        assert "fsdp: dp_shard=2" in out, out[-3000:]  # 2 Ray workers, FSDP2 per decoder layer
+        evals = [h for h in RunDir(str(cwd / "results" / "tiny-gpt2-text")).read_history() if "val/loss" in h]
+        assert [h["step"] for h in evals] == [10, 20] and _steps(out) == 20, evals
+        assert evals[-1]["val/loss"] < evals[0]["val/loss"] < 5.6, evals  # ln(256) = 5.55 at random
     if "model.name=my_net:build" in cmd.text:
         assert accuracy and float(accuracy[-1]) >= 0.90, out[-3000:]
+    if cmd.text.startswith("rayjobs data prepare digits"):
+        meta = json.loads((cwd / "data" / "digits" / "rayjobs-data.json").read_text())
+        assert meta["rows"] == {"train": 1257, "val": 270, "test": 270}, meta
     if "data.kwargs.path=data/digits" in cmd.text:  # tracking on: a FINISHED MLflow run with the model
         import mlflow
 
@@ -178,6 +199,14 @@ def _check_figures(cmd: Command, out: str, cwd: Path) -> None:
         runs = mlflow.search_runs(experiment_names=["rayjobs"], filter_string="tags.`run.name` = 'digits_cnn-parquet'")
         assert len(runs) == 1 and runs.iloc[0]["status"] == "FINISHED", runs
         assert runs.iloc[0]["tags.rayjobs.model_uri"].startswith("models:/")
+        assert 0 <= runs.iloc[0]["metrics.perf/data_wait_fraction"] <= 1, runs.iloc[0]
+        # The same job as the bundled default (`rayjobs train` above): as many steps (equal shards, full
+        # batches), and about as accurate.
+        bundled = _OUTPUTS.get("rayjobs train")
+        assert bundled, "compares with the default job's run: run the whole module, not this command alone"
+        assert _steps(out) == _steps(bundled) == 15 * (1257 // 64), (out[-1000:], bundled[-1000:])
+        bundled_accuracy = float(re.findall(r"test/accuracy (\d\.\d+)", bundled)[-1])
+        assert abs(float(accuracy[-1]) - bundled_accuracy) <= 0.03, (accuracy, bundled_accuracy)
     if "--summary out.json" in cmd.text:
         assert json.loads((cwd / "out.json").read_text())["metrics"]["step"] == 2 * (1257 // 64)
     if cmd.text == "rayjobs train --config regression-diabetes":
@@ -266,4 +295,5 @@ def test_readme_command_runs_as_written(cmd: Command, user_dir: Path, user_env: 
     assert proc.returncode == cmd.expect_rc, f"{cmd.text}\nexit {proc.returncode}\n{out[-4000:]}"
     if cmd.expect_rc == 2:  # a user's mistake: one line, never a traceback (a failed training shows its own)
         assert "Traceback" not in out, out[-3000:]
+    _OUTPUTS[cmd.text] = out
     _check_figures(cmd, out, user_dir)
