@@ -9,7 +9,8 @@ a process that imports Ray Train or Ray Data, 1-2 s of CPU on the critical path 
 ``Trainer`` leaves out the dataset manager where the run has no datasets; where the driver started
 the local Ray itself, it leaves out the cleaner (that Ray, placement groups and all, ends with the
 driver) and, for a run with no datasets, the coordinator (that Ray has no autoscaler to ask and no
-Ray Data execution to share with). Everything else is ``TorchTrainer``'s own.
+Ray Data execution to share with). Its process group comes from ``rayjobs.torch_backend`` (Ray's
+own setup, with a controller that imports no torch). Everything else is ``TorchTrainer``'s own.
 
 Imported only where a run is launched (it imports Ray Train).
 """
@@ -20,12 +21,13 @@ from typing import Any
 
 from ray.train.torch import TorchTrainer
 
+from rayjobs.torch_backend import FixedScalingPolicy, TorchBackendConfig
+
 try:  # Ray Train V2's internals; where they move, the trainer keeps every helper (as TorchTrainer does)
     from ray.train.v2._internal.callbacks import DatasetsCallback
     from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
-    from ray.train.v2._internal.execution.scaling_policy import FixedScalingPolicy
 except ImportError:  # pragma: no cover - other Ray versions
-    DatasetsCallback = PlacementGroupCleanerCallback = FixedScalingPolicy = None  # type: ignore[assignment,misc]
+    DatasetsCallback = PlacementGroupCleanerCallback = None  # type: ignore[assignment,misc]
 
 
 class Trainer(TorchTrainer):
@@ -34,6 +36,7 @@ class Trainer(TorchTrainer):
     for a run with no datasets, without Ray Data's autoscaling coordinator."""
 
     def __init__(self, *args: Any, own_local_ray: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("torch_config", TorchBackendConfig())  # the controller then imports no torch
         super().__init__(*args, **kwargs)
         self._unused_helpers = unused_helpers(bool(self.datasets), own_local_ray)
         self._ask_no_autoscaler = own_local_ray and not self.datasets
@@ -45,6 +48,8 @@ class Trainer(TorchTrainer):
     def _initialize_and_run_controller(self, **kwargs: Any) -> Any:
         policy = kwargs.get("scaling_policy")
         if self._ask_no_autoscaler and FixedScalingPolicy is not None and type(policy) is FixedScalingPolicy:
+            from rayjobs.torch_backend import FixedScalingWithoutAutoscaler
+
             kwargs["scaling_policy"] = FixedScalingWithoutAutoscaler(policy.scaling_config)
         return super()._initialize_and_run_controller(**kwargs)
 
@@ -57,19 +62,3 @@ def unused_helpers(has_datasets: bool, own_local_ray: bool) -> tuple[type, ...]:
     if own_local_ray and PlacementGroupCleanerCallback is not None:
         unused.append(PlacementGroupCleanerCallback)
     return tuple(unused)
-
-
-if FixedScalingPolicy is not None:
-
-    class FixedScalingWithoutAutoscaler(FixedScalingPolicy):
-        """Ray Train's fixed-size policy that sends no resource request: on a local Ray with no
-        autoscaler the request only started the coordinator actor that would have received it."""
-
-        def after_controller_start(self, train_run_context: Any) -> None:
-            self._requester_id = f"train-{train_run_context.run_id}"
-
-        def _maybe_send_resource_request(self) -> None:
-            pass
-
-        def _send_resource_request(self) -> None:
-            pass
