@@ -14,6 +14,8 @@ import jsonschema
 import pytest
 import yaml
 from conftest import REPO
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 CRDS = REPO.parent / "shared" / "kuberay-crds"  # KubeRay v1.7.0's CRDs, where the workspace has them
 # The v1 openAPIV3Schema of each kind, extracted from those CRDs (KubeRay, Apache-2.0), so CI checks
@@ -104,16 +106,35 @@ def test_kuberay_manifests_validate_against_the_crds():
     assert list(jsonschema.Draft7Validator(crd_schema("RayCluster")).iter_errors(broken))
 
 
+def _series(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _pinned(package: str) -> SpecifierSet:
+    """pyproject's version range for ``package``."""
+    import tomllib
+
+    for dep in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]:
+        req = Requirement(dep)
+        if req.name == package:
+            return req.specifier
+    raise AssertionError(f"pyproject.toml does not depend on {package}")
+
+
 def test_kuberay_pins_ray_and_mlflow_versions_to_the_images():
+    """The images run a Ray and an MLflow that pyproject allows, of the release series installed here (a
+    patch release on the registry, installed by a clean `make test`, is no mismatch; MLflow 3.18's
+    release, which `mlflow>=3.0,<4` let a clean clone install beside the 3.17.2 server image, was)."""
     import mlflow
     import ray
 
     dockerfile = (REPO / "cluster" / "Dockerfile").read_text()
     base_tag = re.search(r"^FROM rayproject/ray:(\S+)", dockerfile, re.M).group(1)
-    assert base_tag.startswith(ray.__version__ + "-")
+    image_ray = base_tag.split("-")[0]
+    assert image_ray in _pinned("ray") and _series(image_ray) == _series(ray.__version__), (image_ray, ray.__version__)
     for name, doc in ray_documents():
         spec = cluster_spec(doc)
-        assert spec["rayVersion"] == ray.__version__, name
+        assert spec["rayVersion"] == image_ray, name
         for container in ray_containers(spec):
             assert container["image"].split(":")[1] == base_tag, (name, container["image"])
     mlflow_images = [
@@ -122,7 +143,12 @@ def test_kuberay_pins_ray_and_mlflow_versions_to_the_images():
         if d["kind"] == "Deployment"
         for c in d["spec"]["template"]["spec"]["containers"]
     ]
-    assert mlflow_images == [f"ghcr.io/mlflow/mlflow:v{mlflow.__version__}"]
+    assert len(mlflow_images) == 1 and mlflow_images[0].startswith("ghcr.io/mlflow/mlflow:v"), mlflow_images
+    image_mlflow = mlflow_images[0].rpartition(":v")[2]
+    assert image_mlflow in _pinned("mlflow") and _series(image_mlflow) == _series(mlflow.__version__), (
+        image_mlflow,
+        mlflow.__version__,
+    )
     services = [d for d in load(REPO / "cluster/kuberay/mlflow.yaml") if d["kind"] == "Service"]
     assert [s["spec"]["type"] for s in services] == ["ClusterIP"]  # reached through port-forward on 127.0.0.1
 
