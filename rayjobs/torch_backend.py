@@ -6,7 +6,8 @@ lives in a module that imports torch at the top, so each controller imported tor
 (about 1 s of CPU in a process that never touches a tensor, on the critical path of every run and
 every Tune trial). ``TorchBackendConfig`` and ``TorchBackend`` here do what Ray's ``TorchConfig`` and
 ``_TorchBackend`` do for rayjobs' runs (gloo on CPU, NCCL on GPU, ``env://`` rendezvous at rank 0's
-address); the parts that need torch run on the workers, through Ray's own functions, imported there.
+address; no TPU and no ``tcp://`` init, which rayjobs never asks for); the parts that need torch run
+on the workers, through Ray's own functions, imported there.
 
 ``FixedScalingWithoutAutoscaler`` lives here too: the controller unpickles the scaling policy, and a
 class defined beside ``rayjobs.trainer`` (which imports ``ray.train.torch``) imported torch with it.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray._private.ray_constants import env_integer
 from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
 from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
@@ -31,10 +33,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class TorchBackendConfig(BackendConfig):
-    """Ray's ``TorchConfig`` (backend, ``env://`` init, timeout) whose class imports no torch."""
+    """Ray's ``TorchConfig`` (backend, timeout; ``env://`` rendezvous) whose class imports no torch."""
 
-    backend: str | None = None  # None: nccl where the workers have GPUs, else gloo
-    init_method: str = "env"
+    backend: str | None = None  # filled by TorchTrainer: nccl where the workers have GPUs, else gloo
     timeout_s: int = 1800
 
     @property
@@ -54,7 +55,7 @@ class TorchBackendConfig(BackendConfig):
         return TrainingFramework.TORCH
 
     def to_dict(self) -> dict[str, Any]:
-        return {"backend": self.backend, "init_method": self.init_method, "timeout_s": self.timeout_s}
+        return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
 
 
 class TorchBackend(Backend):
@@ -62,29 +63,18 @@ class TorchBackend(Backend):
     worker, then ``init_process_group`` on all of them; the process group destroyed at the end."""
 
     def on_start(self, worker_group: Any, backend_config: TorchBackendConfig) -> None:
-        backend = backend_config.backend
-        if backend is None:
-            backend = "nccl" if worker_group.get_resources_per_worker().get("GPU", 0) > 0 else "gloo"
-        if backend_config.init_method not in ("env", "tcp"):
-            raise ValueError(f"init_method {backend_config.init_method!r} is not supported; use 'env' or 'tcp'")
         addr, port = worker_group.execute_single(0, get_address_and_port)
-        if backend_config.init_method == "env":
-            worker_group.execute(_set_master, addr=addr, port=port)
-            url = "env://"
-        else:
-            from ray._common.network_utils import build_address
-
-            url = f"tcp://{build_address(addr, port)}"
+        worker_group.execute(_set_master, addr=addr, port=port)
         worker_group.execute(_set_torch_distributed_env_vars)
         ray.get(
             [
                 worker_group.execute_single_async(
                     rank,
                     _setup_torch_process_group,
-                    backend=backend,
+                    backend=backend_config.backend,
                     world_rank=rank,
                     world_size=len(worker_group),
-                    init_method=url,
+                    init_method="env://",
                     timeout_s=backend_config.timeout_s,
                 )
                 for rank in range(len(worker_group))
@@ -95,9 +85,7 @@ class TorchBackend(Backend):
         from ray.exceptions import GetTimeoutError
 
         futures = worker_group.execute_async(_shutdown_torch, destroy_process_group=len(worker_group) > 1)
-        timeout_s = int(
-            os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
-        )
+        timeout_s = env_integer(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
         try:
             ray.get(futures, timeout=timeout_s)
         except GetTimeoutError:

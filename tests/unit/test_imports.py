@@ -193,7 +193,7 @@ def test_the_train_controller_unpickles_its_run_without_importing_torch(tmp_path
     (tmp_path / "sent.pkl").write_bytes(pickle.dumps(sent))
     code = (
         "import pickle, sys; config, callback, policy = pickle.load(open(sys.argv[1], 'rb')); "
-        "assert config.backend == 'gloo' and config.to_dict()['init_method'] == 'env'; "
+        "assert config.backend == 'gloo' and config.to_dict() == {'backend': 'gloo', 'init_method': 'env', 'timeout_s': 1800}; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))"
     )
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "sent.pkl")], capture_output=True, text=True)
