@@ -54,13 +54,21 @@ def _launch(cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
     started = time.time()
     proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0 or not out.exists():
-        tail = (proc.stdout + proc.stderr)[-2000:]
-        raise RuntimeError(f"workload failed ({' '.join(cmd[:4])} ...):\n{tail}")
+        raise RuntimeError(f"workload failed ({' '.join(cmd[:4])} ...):\n{_failure_lines(proc.stdout + proc.stderr)}")
     record = json.loads(out.read_text())
     record["launch_to_first_step_s"] = record["first_step_at"] - started
     if "driver_start" not in record["marks"]:  # torchrun: its launcher's start, with no Ray and no fit()
         record["marks"].update(dict.fromkeys(timeline.DRIVER_MARKS, started))
     return record
+
+
+def _failure_lines(output: str) -> str:
+    """The lines that say why a launch failed (a rank's C++ abort is far above torchrun's summary), then the tail."""
+    causes = [line for line in output.splitlines() if any(k in line for k in _CAUSES)]
+    return "\n".join(causes[-20:]) + "\n...\n" + output[-2000:]
+
+
+_CAUSES = ("terminate called", "what():", "Error", "Signal", "Traceback")
 
 
 def torchrun(spec: dict[str, Any], nproc: int, timeout: float = 600) -> dict[str, Any]:

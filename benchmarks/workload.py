@@ -11,6 +11,7 @@ the wall-clock time of the first optimizer step (``first_step_at``) and every st
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -130,6 +131,10 @@ def main() -> None:
             dist.init_process_group("gloo")
         record = run_loop(spec, WorkerContext.from_process_group())
         if dist.is_initialized():
+            # The DDP model's reference cycles keep its reducer (and the gloo group) alive; collected at
+            # interpreter exit, gloo's threads abort the process (SIGABRT). Free both before exit.
+            gc.collect()
+            dist.barrier()
             dist.destroy_process_group()
         if int(os.environ.get("RANK", "0")) != 0:
             return
