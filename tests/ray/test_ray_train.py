@@ -52,9 +52,10 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
     assert [h["step"] for h in history] == [10, 20, 30, 40, 50, 60, 70, 76]
     assert history[0]["train/loss"] > 2 * history[-1]["train/loss"], history
     # A worker's next report waits until the Train controller has taken the last one, which it does
-    # when it polls: every 2 s at Ray's default, which made these 0.1 s-apart reports 2 s apart.
+    # when it polls: every 2 s at Ray's default, which made these 0.1 s-apart reports 2 s apart. The
+    # quicker quarter of the gaps tells: the others hold evaluations and, on a loaded machine, slow steps.
     gaps = sorted(b["time"] - a["time"] for a, b in zip(history, history[1:]))
-    assert gaps[len(gaps) // 2] < 1.0, gaps
+    assert gaps[len(gaps) // 4] < 1.0, gaps
 
     # The final checkpoint lives in the run's storage and loads without pickled code.
     assert summary["checkpoint"].startswith(str(tmp_path / "ray-digits"))
