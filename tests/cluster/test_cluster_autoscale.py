@@ -153,6 +153,19 @@ def finished_job(started: cluster.LocalCluster, job: str, seen: set[str] | None 
     return check
 
 
+def first_checkpoint_while_running(started: cluster.LocalCluster, job: str, run_dir):
+    """A wait_for predicate: the run's first complete checkpoint; fails at once, with the diagnosis,
+    if the job ends before it (no waiting out the deadline on a job that is gone)."""
+
+    def check():
+        found = ckpt.latest_complete(run_dir, warn=False)
+        if not found and (ended := finished_job(started, job)()):
+            pytest.fail(f"the job ended {ended[0]} before its first checkpoint\n{diagnosis(started, job)}")
+        return found
+
+    return check
+
+
 def resumed_steps(logs: str) -> list[int]:
     return [int(line.split(" at step ")[1].split()[0]) for line in logs.splitlines() if "resumed from" in line]
 
@@ -184,7 +197,13 @@ def test_a_submitted_job_brings_up_nodes_survives_losing_one_and_they_go_when_id
         *("--set", "checkpoint.every_steps=20", "--set", "failure.max_failures=2"),
         *("--set", f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--summary", str(tmp_path / "summary.json")),
     )
-    wait_for(lambda: ckpt.latest_complete(run_dir, warn=False), 420, "a first checkpoint", every=0.5)
+    wait_for(
+        first_checkpoint_while_running(local_cluster, job, run_dir),
+        420,
+        "a first checkpoint",
+        every=0.5,
+        explain=lambda: diagnosis(local_cluster, job),
+    )
     before = {n["node_id"] for n in worker_nodes(local_cluster)}
     assert len(before) >= 2  # 2 workers of 1 CPU each: two cpu_worker nodes were launched for them
     killed_at = ckpt.latest_complete(run_dir, warn=False).step
