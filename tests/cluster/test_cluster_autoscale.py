@@ -141,6 +141,9 @@ def diagnosis(started: cluster.LocalCluster, job: str) -> str:
     )
 
 
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")  # a job's terminal statuses in the Jobs API
+
+
 def finished_job(started: cluster.LocalCluster, job: str, seen: set[str] | None = None):
     """A wait_for predicate: (status, logs) once the job ended; notes the worker nodes it sees."""
 
@@ -148,7 +151,7 @@ def finished_job(started: cluster.LocalCluster, job: str, seen: set[str] | None 
         if seen is not None:
             seen.update(n["node_id"] for n in worker_nodes(started))
         status, logs = job_status(started, job)
-        return (status, logs) if status in ("SUCCEEDED", "FAILED", "STOPPED") else None
+        return (status, logs) if status in ENDED else None
 
     return check
 
@@ -159,8 +162,8 @@ def first_checkpoint_while_running(started: cluster.LocalCluster, job: str, run_
 
     def check():
         found = ckpt.latest_complete(run_dir, warn=False)
-        if not found and (ended := finished_job(started, job)()):
-            pytest.fail(f"the job ended {ended[0]} before its first checkpoint\n{diagnosis(started, job)}")
+        if not found and (status := get_json(started, f"/api/jobs/{job}")["status"]) in ENDED:  # no log fetch per poll
+            pytest.fail(f"the job ended {status} before its first checkpoint\n{diagnosis(started, job)}")
         return found
 
     return check
