@@ -5,7 +5,7 @@ the marks travel in the ``LaunchPlan``; rank 0 adds its own (its process start, 
 entered, data ready, model ready, first step done) and turns them into phases:
 
     driver      the driver's Python start, imports and the checks before Ray
-    ray         ``ray.init`` (0 in local mode, or on a Ray that was already up)
+    ray         ``ray.init`` (0 on a Ray that was already up, and in local mode without Ray Data)
     mlflow      the MLflow run made for this run, beyond Ray's start where the two overlap (a local
                 Ray), and a small streamed dataset's val and test read once
     workers     ``fit()`` to the worker's process start: Train controller, placement group, actor

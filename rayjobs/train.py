@@ -179,9 +179,12 @@ def start_ray_and_tracking(prep: Prepared, mlflow_tags: dict[str, str] | None, m
     marks["ray_start"] = time.time()
     if prep.local_mode:
         logging.getLogger("ray.train").setLevel(logging.WARNING)  # not one INFO line per report
-    elif launch.existing_cluster() or not cfg.tracking.enabled:  # joining a cluster is quick; its nodes are tagged
+    # Ray Data reads need a Ray in local mode too. Left to Ray Data's own `ray.init()`, a run joined
+    # any `ray start` cluster on the machine, or took port 8265 that `rayjobs cluster up` then refused.
+    needs_ray = not prep.local_mode or prep.source is not None
+    if needs_ray and (launch.existing_cluster() or not cfg.tracking.enabled):  # joining a cluster is quick
         launch.init_ray(prep.scaling, streaming=prep.source is not None)
-    else:
+    elif needs_ray:
         with ThreadPoolExecutor(1, thread_name_prefix="mlflow-run") as pool:
             opening = pool.submit(start_tracking, cfg, prep.scaling, mlflow_tags, 1)
             try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_cli
 
-from rayjobs import train
+from rayjobs import launch, train
 from rayjobs.checkpoint import load_for_inference
 from rayjobs.config import load_config
 
@@ -16,14 +16,20 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def test_predict_writes_one_prediction_per_row_equal_to_the_models(tmp_path):
-    summary = train.run(
+    assert run_cli("data", "prepare", "digits", "--out", str(tmp_path / "digits"), timeout=120).returncode == 0
+    summary = train.run(  # local mode over the Parquet shards: Ray Data reads them in a Ray of the run's own
         load_config(
             None,
             [f"run.storage_path={tmp_path}", "scaling.num_workers=0", "model.name=mlp", "tracking.enabled=false",
-             "training.epochs=3", "training.batch_size=32"],
+             "training.epochs=3", "training.batch_size=32", "data.name=parquet", f"data.kwargs.path={tmp_path / 'digits'}"],
         )
     )  # fmt: skip
-    assert run_cli("data", "prepare", "digits", "--out", str(tmp_path / "digits"), timeout=120).returncode == 0
+    # Not Ray Data's own `ray.init()`, which joined a `ray start` cluster on the machine or took the
+    # dashboard port 8265 that `rayjobs cluster up` then refused.
+    assert launch.owns_local_ray() and summary["launch"]["launch/ray_s"] > 0.5, summary["launch"]
+    import ray
+
+    assert not ray.worker.global_worker.node.address_info["webui_url"].endswith(":8265")
     rows = tmp_path / "digits" / "test"
     proc = run_cli("predict", summary["checkpoint"], "--data", str(rows), "--out", str(tmp_path / "preds"), timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
