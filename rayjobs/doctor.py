@@ -345,10 +345,10 @@ def main(storage_path: str, tracking_uri: str, working_dir: str, summary: str | 
         from rayjobs.launch import connect_cluster
 
         ctx = connect_cluster(log_to_driver=False, logging_level=logging.WARNING)
-    else:  # a `ray start` cluster on this machine, else a local Ray of its own
-        import ray
+    else:  # the local Ray a run would start (ray.init() joined a `ray start` cluster here, or took port 8265)
+        from rayjobs.launch import start_local_ray
 
-        ctx = ray.init(log_to_driver=False, logging_level=logging.WARNING)
+        ctx = start_local_ray(os.cpu_count() or 1, log_to_driver=False, logging_level=logging.WARNING)
     import ray
 
     try:

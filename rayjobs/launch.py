@@ -328,8 +328,9 @@ def poll_reports_often() -> None:
         )
 
 
-def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> None:
-    """Start a new local Ray of this process's own, whose processes all know it is theirs.
+def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **init_kwargs: Any) -> Any:
+    """Start a new local Ray of this process's own, whose processes all know it is theirs (returns
+    ``ray.init``'s context).
 
     Its GCS and dashboard take free ports, never the well-known 6379 and 8265 of a `ray start` cluster.
     Even where another Ray runs on this machine (a `ray start` cluster, another user's run): Ray
@@ -359,7 +360,7 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
         # dashboard and Jobs API, and one a local run held refused them (Ray prints this one's address).
         init_kwargs.setdefault("dashboard_port", _free_port())
     try:
-        ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, **init_kwargs)
+        context = ray.init(address="local", num_cpus=num_cpus, runtime_env={"env_vars": env}, **init_kwargs)
     finally:
         for name, value in previous.items():
             if value is None:
@@ -368,6 +369,7 @@ def start_local_ray(num_cpus: int, env_vars: dict[str, str] | None = None, **ini
                 os.environ[name] = value
     global _own_gcs_port
     _own_gcs_port = str(port)
+    return context
 
 
 def check_ray_tmpdir() -> None:

@@ -225,6 +225,20 @@ def test_a_driver_with_the_token_but_no_auth_mode_connects(ray_head, tmp_path):
     )
 
 
+def test_doctor_without_ray_address_checks_a_local_ray_as_a_run_would_start_it(ray_head, tmp_path):
+    """Without RAY_ADDRESS `rayjobs doctor` called a bare `ray.init()`: it joined a `ray start` cluster
+    on the machine (a run never does) or took the dashboard port 8265 that `rayjobs cluster up` then refused."""
+    from conftest import subprocess_env
+
+    env = {k: v for k, v in subprocess_env().items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [f"{VENV_BIN}/rayjobs", "doctor"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0 and re.search(r"^nodes\s+ok\s+1 alive", proc.stdout, re.M), proc.stdout + proc.stderr
+    dashboard = re.search(r"^token auth\s+ok\s+on: http://127\.0\.0\.1:(\d+)/", proc.stdout, re.M)
+    assert dashboard and int(dashboard.group(1)) not in (8265, ray_head.dashboard_port), proc.stdout
+
+
 def test_cluster_down_stops_its_own_cluster_and_no_other_ray(ray_head, tmp_path):
     """`rayjobs cluster down` was `ray stop --force`: it also killed every other Ray on the machine (a
     local run beside it, here the module's `ray start --head`). It stops the cluster `up` noted, only."""
