@@ -1,13 +1,14 @@
 """The launch timeline: where the time to a run's first step goes, phase by phase.
 
-The driver marks its side (its process start, Ray up, the MLflow run made, ``fit()`` called) and
+The driver marks its side (its process start, Ray up, the MLflow run made, ``fit()`` called
+once the datasets are made) and
 the marks travel in the ``LaunchPlan``; rank 0 adds its own (its process start, the train function
 entered, data ready, model ready, first step done) and turns them into phases:
 
     driver      the driver's Python start, imports and the checks before Ray
     ray         ``ray.init`` (0 on a Ray that was already up, and in local mode without Ray Data)
-    mlflow      the MLflow run made for this run, beyond Ray's start where the two overlap (a local
-                Ray), and a small streamed dataset's val and test read once
+    mlflow      the MLflow run made for this run, beyond Ray's start where the two overlap (a local Ray)
+    datasets    Ray Data's datasets made by the driver, a small one's val and test read once
     workers     ``fit()`` to the worker's process start: Train controller, placement group, actor
     imports     the worker's process start to the train function: imports, process group
     data        this rank's data
@@ -24,12 +25,13 @@ import os
 import time
 from typing import Any
 
-DRIVER_MARKS = ("driver_start", "ray_start", "ray_ready", "fit")
+DRIVER_MARKS = ("driver_start", "ray_start", "ray_ready", "tracking_ready", "fit")
 WORKER_MARKS = ("worker_start", "worker_entered", "data_ready", "model_ready", "first_step")
 PHASES = (
     ("driver", "driver_start", "ray_start"),
     ("ray", "ray_start", "ray_ready"),
-    ("mlflow", "ray_ready", "fit"),
+    ("mlflow", "ray_ready", "tracking_ready"),
+    ("datasets", "tracking_ready", "fit"),
     ("workers", "fit", "worker_start"),
     ("imports", "worker_start", "worker_entered"),
     ("data", "worker_entered", "data_ready"),

@@ -169,7 +169,7 @@ def _run(
 
 def start_ray_and_tracking(prep: Prepared, mlflow_tags: dict[str, str] | None, marks: dict[str, float]) -> str | None:
     """Start or join Ray, and open the run's MLflow run (its id, None without tracking); marks
-    ``ray_start`` and ``ray_ready`` in ``marks``.
+    ``ray_start``, ``ray_ready`` and ``tracking_ready`` in ``marks``.
 
     Where this driver starts a local Ray, the MLflow run is made while Ray starts: each takes about
     3 s on 2 cores (a new ``mlflow.db`` is migrated), and the driver mostly waits on Ray's processes.
@@ -182,9 +182,8 @@ def start_ray_and_tracking(prep: Prepared, mlflow_tags: dict[str, str] | None, m
     # Ray Data reads need a Ray in local mode too. Left to Ray Data's own `ray.init()`, a run joined
     # any `ray start` cluster on the machine, or took port 8265 that `rayjobs cluster up` then refused.
     needs_ray = not prep.local_mode or prep.source is not None
-    if needs_ray and (launch.existing_cluster() or not cfg.tracking.enabled):  # joining a cluster is quick
-        launch.init_ray(prep.scaling, streaming=prep.source is not None)
-    elif needs_ray:
+    # Joining a cluster is quick (its nodes are tagged); a local Ray's start is overlapped with the MLflow run.
+    if needs_ray and cfg.tracking.enabled and not launch.existing_cluster():
         with ThreadPoolExecutor(1, thread_name_prefix="mlflow-run") as pool:
             opening = pool.submit(start_tracking, cfg, prep.scaling, mlflow_tags, 1)
             try:
@@ -194,9 +193,14 @@ def start_ray_and_tracking(prep: Prepared, mlflow_tags: dict[str, str] | None, m
                 finish_tracking(cfg, opening.result(), None, failed=True, status="KILLED" if interrupted else "FAILED")
                 raise
             marks["ray_ready"] = time.time()
-            return opening.result()
-    marks["ray_ready"] = time.time()
-    return start_tracking(cfg, prep.scaling, mlflow_tags) if cfg.tracking.enabled else None
+            run_id = opening.result()
+    else:
+        if needs_ray:
+            launch.init_ray(prep.scaling, streaming=prep.source is not None)
+        marks["ray_ready"] = time.time()
+        run_id = start_tracking(cfg, prep.scaling, mlflow_tags) if cfg.tracking.enabled else None
+    marks["tracking_ready"] = time.time()
+    return run_id
 
 
 def fit(prep: Prepared, plan: LaunchPlan, callbacks: list[Any] | None) -> Any:

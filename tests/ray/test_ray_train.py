@@ -71,7 +71,10 @@ def test_two_workers_train_digits_and_the_loss_goes_down(ray_cluster, tmp_path):
 
     # The launch timeline: every phase, none negative, adding up to the first step's time (within the run).
     launch = saved["launch"]
-    phases = [f"launch/{p}_s" for p in ("driver", "ray", "mlflow", "workers", "imports", "data", "model", "first_step")]
+    phases = [
+        f"launch/{p}_s"
+        for p in ("driver", "ray", "mlflow", "datasets", "workers", "imports", "data", "model", "first_step")
+    ]
     assert set(launch) == {*phases, "launch/first_step_after_s"}, launch
     assert all(launch[p] >= 0 for p in phases)
     assert abs(sum(launch[p] for p in phases) - launch["launch/first_step_after_s"]) < 0.01

@@ -10,6 +10,7 @@ MARKS = {
     "driver_start": 100.0,
     "ray_start": 102.0,
     "ray_ready": 106.0,
+    "tracking_ready": 106.75,
     "fit": 107.0,
     "worker_start": 109.0,
     "worker_entered": 113.0,
@@ -23,7 +24,8 @@ def test_phases_follow_the_marks_in_launch_order():
     assert timeline.phases(MARKS) == [
         ("driver", 2.0),
         ("ray", 4.0),
-        ("mlflow", 1.0),
+        ("mlflow", 0.75),
+        ("datasets", 0.25),
         ("workers", 2.0),
         ("imports", 4.0),
         ("data", 0.5),
@@ -32,7 +34,7 @@ def test_phases_follow_the_marks_in_launch_order():
     ]
     assert timeline.first_step_after(MARKS) == pytest.approx(14.25)
     assert timeline.describe(MARKS) == (
-        "first step after 14.2 s: driver 2.0 s, ray 4.0 s, mlflow 1.0 s, workers 2.0 s, imports 4.0 s, "
+        "first step after 14.2 s: driver 2.0 s, ray 4.0 s, mlflow 0.8 s, datasets 0.2 s, workers 2.0 s, imports 4.0 s, "
         "data 0.5 s, model 0.5 s, first step 0.2 s"
     )
 
